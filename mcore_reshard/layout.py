@@ -1,0 +1,234 @@
+"""Layouts: which boxes of which logical tensors every rank holds, and where in its local buffers.
+
+A *logical tensor* (``TensorMeta``) has a global shape and a dtype.  A rank holds *buffers* (its
+real local tensors, e.g. a parameter); a buffer is an ordered list of *pieces*, each one box of a
+logical tensor placed at a box of the buffer.  The two boxes have the same number of elements and
+the same sizes once size-1 dimensions are dropped, so a piece is copied with a reshape.  Local
+regions that no piece covers are *padding* (e.g. vocab padding): the executor zero-fills them.
+
+Example, Megatron's ``linear_fc1`` (``[gate; up]`` per TP rank) with ``F = 4`` and tp=2::
+
+    rank | buffer        | piece (tensor, global box)  -> local box
+    0    | fc1 [4, H]    | gate_proj [0:2, 0:H]        -> [0:2, 0:H]
+         |               | up_proj   [0:2, 0:H]        -> [2:4, 0:H]
+    1    | fc1 [4, H]    | gate_proj [2:4, 0:H]        -> [0:2, 0:H]
+         |               | up_proj   [2:4, 0:H]        -> [2:4, 0:H]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Iterable, Mapping, Sequence
+
+from .box import Box, split_range, subtract
+from .mesh import Mesh
+
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+
+class LayoutError(ValueError):
+    """A layout that contradicts itself (pieces outside their tensor or buffer, overlaps, ...)."""
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise LayoutError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}") from None
+
+
+def _squeezed(sizes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s for s in sizes if s != 1)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Box ``box`` of logical tensor ``tensor`` sits at box ``local`` of its buffer."""
+    tensor: str
+    box: Box
+    local: Box
+
+    def __post_init__(self):
+        if self.box.numel != self.local.numel or _squeezed(self.box.sizes) != _squeezed(self.local.sizes):
+            raise LayoutError(f"piece of {self.tensor}: global box {self.box} and local box {self.local} differ in shape")
+
+    def local_of(self, sub: Box) -> Box:
+        """The local box holding ``sub`` (a sub-box of ``self.box``)."""
+        if self.box.sizes == self.local.sizes:
+            return Box(tuple(l + s - g for l, s, g in zip(self.local.offsets, sub.offsets, self.box.offsets)), sub.sizes)
+        gdims = [d for d, s in enumerate(self.box.sizes) if s != 1]
+        ldims = [d for d, s in enumerate(self.local.sizes) if s != 1]
+        offs, sizes = list(self.local.offsets), [1] * self.local.ndim
+        for gd, ld in zip(gdims, ldims):
+            offs[ld] = self.local.offsets[ld] + sub.offsets[gd] - self.box.offsets[gd]
+            sizes[ld] = sub.sizes[gd]
+        return Box(tuple(offs), tuple(sizes))
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A real local tensor on one rank: its name, shape, dtype and pieces."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    def padding(self) -> list[Box]:
+        """Local regions no piece covers (zero-filled by the executor)."""
+        rest = [Box.full(self.shape)] if prod(self.shape) else []
+        for p in self.pieces:
+            rest = [r for box in rest for r in subtract(box, p.local)]
+        return sorted(rest)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "pieces": [[p.tensor, p.box.to_json(), p.local.to_json()] for p in self.pieces]}
+
+    @staticmethod
+    def from_json(obj) -> "Buffer":
+        return Buffer(obj["name"], tuple(obj["shape"]), obj["dtype"],
+                      tuple(Piece(t, Box.from_json(b), Box.from_json(l)) for t, b, l in obj["pieces"]))
+
+
+def stacked(name: str, dtype: str, parts: Sequence[tuple[str, Box]], dim: int = 0) -> Buffer:
+    """A buffer made of ``parts`` (tensor, global box) laid one after another along ``dim``.
+
+    All parts must agree on every other dimension (Megatron's fused ``linear_qkv`` and
+    ``linear_fc1``, vLLM's ``gate_up_proj`` and ``w13_weight`` are built this way).
+    """
+    if not parts:
+        raise LayoutError(f"buffer {name}: no parts to stack")
+    ref = parts[0][1].sizes
+    pieces, pos = [], 0
+    for tensor, box in parts:
+        if box.ndim != len(ref) or any(a != b for d, (a, b) in enumerate(zip(box.sizes, ref)) if d != dim):
+            raise LayoutError(f"buffer {name}: part {tensor}{box} does not stack with {parts[0][0]}{parts[0][1]} along dim {dim}")
+        offs = [0] * box.ndim
+        offs[dim] = pos
+        pieces.append(Piece(tensor, box, Box(tuple(offs), box.sizes)))
+        pos += box.sizes[dim]
+    shape = list(ref)
+    shape[dim] = pos
+    return Buffer(name, tuple(shape), dtype, tuple(pieces))
+
+
+def shard_box(shape: Sequence[int], mesh: Mesh, rank: int, placements: Sequence[tuple[str, int]],
+              mode: str = "exact") -> Box:
+    """The box of a tensor of ``shape`` that ``rank`` holds when it is split along tensor dim ``dim``
+    over mesh axis ``axis`` for each ``(axis, dim)`` in ``placements``, in that order (later
+    placements split what earlier ones left, as DTensor does for mesh dims left to right).
+    Axes not named are replicated.  ``mode`` is a :func:`split_sizes` mode."""
+    coord = mesh.coord(rank)
+    offs, sizes = [0] * len(shape), list(shape)
+    for axis, dim in placements:
+        n = mesh.axis_size(axis)
+        try:
+            off, size = split_range(sizes[dim], n, coord.get(axis, 0), mode)
+        except ValueError as e:
+            raise LayoutError(f"cannot split dim {dim} (size {sizes[dim]}) of shape {tuple(shape)} over {axis}={n}: {e}") from None
+        offs[dim] += off
+        sizes[dim] = size
+    return Box(tuple(offs), tuple(sizes))
+
+
+@dataclass
+class Layout:
+    """All logical tensors of one side (source or destination) and every rank's buffers.
+
+    Ranks are ranks of the process group the transfer runs on.
+    """
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    buffers: dict[int, dict[str, Buffer]] = field(default_factory=dict)
+
+    def add_tensor(self, name: str, shape: Sequence[int], dtype: str) -> TensorMeta:
+        meta = TensorMeta(name, tuple(int(s) for s in shape), dtype)
+        old = self.tensors.get(name)
+        if old is not None and old != meta:
+            raise LayoutError(f"tensor {name} declared twice: {old.shape} {old.dtype} vs {meta.shape} {meta.dtype}")
+        self.tensors[name] = meta
+        return meta
+
+    def add_buffer(self, rank: int, buffer: Buffer) -> None:
+        rank_bufs = self.buffers.setdefault(int(rank), {})
+        if buffer.name in rank_bufs:
+            raise LayoutError(f"rank {rank} has two buffers named {buffer.name}")
+        self._check_buffer(rank, buffer)
+        rank_bufs[buffer.name] = buffer
+
+    def add_sharded(self, name: str, shape: Sequence[int], dtype: str, mesh: Mesh,
+                    placements: Sequence[tuple[str, int]] = (), buffer: str | None = None,
+                    mode: str = "exact") -> None:
+        """One tensor held as one buffer on every rank of ``mesh`` (see :func:`shard_box`)."""
+        self.add_tensor(name, shape, dtype)
+        for r in mesh.ranks:
+            box = shard_box(shape, mesh, r, placements, mode)
+            self.add_buffer(r, Buffer(buffer or name, box.sizes, dtype, (Piece(name, box, Box.full(box.sizes)),)))
+
+    def _check_buffer(self, rank: int, buf: Buffer) -> None:
+        for p in buf.pieces:
+            meta = self.tensors.get(p.tensor)
+            if meta is None:
+                raise LayoutError(f"rank {rank} buffer {buf.name}: piece of undeclared tensor {p.tensor}")
+            if meta.dtype != buf.dtype:
+                raise LayoutError(f"rank {rank} buffer {buf.name} is {buf.dtype} but holds {p.tensor} of dtype {meta.dtype}")
+            if p.box.ndim != len(meta.shape) or not Box.full(meta.shape).contains(p.box):
+                raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
+            if p.local.ndim != len(buf.shape) or not Box.full(buf.shape).contains(p.local):
+                raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
+        ps = sorted(buf.pieces, key=lambda p: p.local)
+        for i, a in enumerate(ps):
+            for b in ps[i + 1:]:
+                if a.local.ndim and b.local.offsets[0] >= a.local.ends[0]:
+                    break  # sorted by offset: no later piece can reach back into a
+                if a.local.intersect(b.local) is not None:
+                    raise LayoutError(f"rank {rank} buffer {buf.name}: pieces {a.tensor}{a.box} and {b.tensor}{b.box} "
+                                      f"overlap at local {a.local.intersect(b.local)}")
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.buffers)
+
+    def pieces_of(self, tensor: str) -> list[tuple[int, str, Piece]]:
+        return [(r, b.name, p) for r in self.ranks for b in self.buffers[r].values() for p in b.pieces if p.tensor == tensor]
+
+    def iter_pieces(self) -> Iterable[tuple[int, Buffer, Piece]]:
+        for r in self.ranks:
+            for name in sorted(self.buffers[r]):
+                buf = self.buffers[r][name]
+                for p in buf.pieces:
+                    yield r, buf, p
+
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.tensors.values())
+
+    def to_json(self) -> dict:
+        return {"tensors": {n: [list(m.shape), m.dtype] for n, m in sorted(self.tensors.items())},
+                "buffers": {str(r): [self.buffers[r][n].to_json() for n in sorted(self.buffers[r])] for r in self.ranks}}
+
+    @staticmethod
+    def from_json(obj: Mapping) -> "Layout":
+        lay = Layout()
+        for n, (shape, dtype) in obj["tensors"].items():
+            lay.add_tensor(n, shape, dtype)
+        for r, bufs in obj["buffers"].items():
+            for b in bufs:
+                lay.add_buffer(int(r), Buffer.from_json(b))
+        return lay
+
+    def offset_ranks(self, delta: int) -> "Layout":
+        """The same layout on ranks shifted by ``delta`` (e.g. inference ranks after the trainer's)."""
+        return Layout(dict(self.tensors), {r + delta: dict(b) for r, b in self.buffers.items()})

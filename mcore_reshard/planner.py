@@ -1,0 +1,388 @@
+"""Transfer planner: pure computation on layouts (no torch, no torch.distributed).
+
+``make_plan(src, dst)`` answers, for every destination piece, which source rank sends which box,
+and packs those boxes into messages (one per ordered rank pair per staging round) under a hard
+per-rank staging budget.  Every rank can compute the same plan from the same layouts; the plan is
+plain data with a stable hash (:attr:`Plan.hash`).
+
+Guarantees (each raises :class:`PlanError` naming the tensor and region when violated):
+
+* every element of every destination piece is written exactly once;
+* a destination rank that already holds a source copy of an element copies it locally (no message);
+* network bytes equal the lower bound: the elements each destination rank needs and does not hold;
+* among replicas, senders are chosen to balance the bytes each source rank sends.
+
+Example, one ``[4, 2]`` float32 tensor, source tp=2 on ranks 0-1, destination unsharded on ranks
+0 and 2 (rank 0 is colocated)::
+
+    kind  | from -> to | box          | bytes
+    local | 0 -> 0     | [0:2, 0:2]   | 16
+    send  | 1 -> 0     | [2:4, 0:2]   | 16
+    send  | 0 -> 2     | [0:2, 0:2]   | 16
+    send  | 1 -> 2     | [2:4, 0:2]   | 16
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .box import Box, split_box, subtract
+from .layout import Layout, Piece, itemsize
+
+DEFAULT_BUDGET = 256 << 20
+ALIGN = 16  # byte alignment of every entry in a staging buffer
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """The two layouts cannot be reconciled; the message names tensor, ranks, shapes and region."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One box of ``tensor`` from ``src_buffer[src_local]`` on ``src`` to ``dst_buffer[dst_local]`` on ``dst``."""
+    tensor: str
+    box: Box
+    src: int
+    src_buffer: str
+    src_local: Box
+    dst: int
+    dst_buffer: str
+    dst_local: Box
+    nbytes: int          # bytes on the wire (source dtype)
+    offset: int = -1     # byte offset in the message's staging buffer (-1 for local copies)
+
+    def to_json(self) -> list:
+        return [self.tensor, self.box.to_json(), self.src, self.src_buffer, self.src_local.to_json(),
+                self.dst, self.dst_buffer, self.dst_local.to_json(), self.nbytes, self.offset]
+
+    @staticmethod
+    def from_json(o) -> "Copy":
+        return Copy(o[0], Box.from_json(o[1]), o[2], o[3], Box.from_json(o[4]), o[5], o[6], Box.from_json(o[7]), o[8], o[9])
+
+
+@dataclass(frozen=True)
+class Message:
+    round: int
+    src: int
+    dst: int
+    nbytes: int                 # staging bytes (entries aligned to 16 bytes)
+    entries: tuple[Copy, ...]
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "src": self.src, "dst": self.dst, "nbytes": self.nbytes,
+                "entries": [c.to_json() for c in self.entries]}
+
+    @staticmethod
+    def from_json(o) -> "Message":
+        return Message(o["round"], o["src"], o["dst"], o["nbytes"], tuple(Copy.from_json(c) for c in o["entries"]))
+
+
+@dataclass
+class Plan:
+    """Plain-data plan.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
+    real tensors against the plan before anything moves."""
+    tensors: dict[str, dict]                         # name -> {"shape", "src_dtype", "dst_dtype"}
+    buffers: dict[str, dict[int, dict[str, list]]]   # "src"/"dst" -> rank -> name -> [shape, dtype]
+    messages: list[Message]
+    local_copies: list[Copy]
+    padding: list[tuple[int, str, Box]]              # (rank, dst buffer, local region) zero-filled
+    budget_bytes: int
+    rounds: int
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "version": PLAN_VERSION,
+            "tensors": self.tensors,
+            "buffers": {side: {str(r): bufs for r, bufs in sorted(ranks.items())} for side, ranks in self.buffers.items()},
+            "budget_bytes": self.budget_bytes,
+            "rounds": self.rounds,
+            "messages": [m.to_json() for m in self.messages],
+            "local_copies": [c.to_json() for c in self.local_copies],
+            "padding": [[r, b, box.to_json()] for r, b, box in self.padding],
+            "stats": self.stats,
+        }
+
+    @staticmethod
+    def from_json(o: Mapping) -> "Plan":
+        if o.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {o.get('version')} is not {PLAN_VERSION}")
+        return Plan(
+            tensors=dict(o["tensors"]),
+            buffers={side: {int(r): bufs for r, bufs in ranks.items()} for side, ranks in o["buffers"].items()},
+            messages=[Message.from_json(m) for m in o["messages"]],
+            local_copies=[Copy.from_json(c) for c in o["local_copies"]],
+            padding=[(r, b, Box.from_json(box)) for r, b, box in o["padding"]],
+            budget_bytes=o["budget_bytes"], rounds=o["rounds"], stats=dict(o["stats"]))
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical JSON, stats excluded (they hold timings)."""
+        obj = self.to_json()
+        obj.pop("stats")
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.buffers["src"]) | set(self.buffers["dst"]))
+
+    def summary(self) -> str:
+        s = self.stats
+        lines = [
+            f"tensors            {len(self.tensors)}",
+            f"bytes over network {s['network_bytes']:,} (lower bound {s['lower_bound_bytes']:,})",
+            f"bytes copied local {s['local_bytes']:,}",
+            f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
+            f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
+            f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
+        ]
+        return "\n".join(lines)
+
+
+def _fmt_ranks(holders) -> str:
+    return ",".join(str(r) for r in sorted({h[0] for h in holders}))
+
+
+def _atoms(boxes: list[Box]) -> list[tuple[Box, list[int]]]:
+    """Split possibly-overlapping boxes into disjoint atoms, each with the indices of the boxes
+    that contain it (only needed when one source layout has partially overlapping pieces)."""
+    nd = boxes[0].ndim
+    cuts = [sorted({c for b in boxes for c in (b.offsets[d], b.ends[d])}) for d in range(nd)]
+    atoms: dict[Box, list[int]] = {}
+    for i, b in enumerate(boxes):
+        ranges = []
+        for d in range(nd):
+            cs = cuts[d]
+            lo, hi = bisect_left(cs, b.offsets[d]), bisect_left(cs, b.ends[d])
+            ranges.append([(cs[k], cs[k + 1] - cs[k]) for k in range(lo, hi)])
+        cells = [((), ())]
+        for rs in ranges:
+            cells = [(o + (a,), s + (n,)) for o, s in cells for a, n in rs]
+        for o, s in cells:
+            atoms.setdefault(Box(o, s), []).append(i)
+    return sorted(atoms.items())
+
+
+def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str, Piece]]]]]:
+    """tensor -> disjoint source boxes, each with its holders (rank, buffer, piece), sorted."""
+    by_tensor: dict[str, dict[Box, list]] = defaultdict(dict)
+    for r, buf, p in src.iter_pieces():
+        by_tensor[p.tensor].setdefault(p.box, []).append((r, buf.name, p))
+    out = {}
+    for name, boxes in by_tensor.items():
+        items = sorted(boxes.items())
+        if _disjoint([b for b, _ in items]):
+            out[name] = items
+        else:
+            keys = [b for b, _ in items]
+            out[name] = [(atom, sorted(h for i in idx for h in items[i][1])) for atom, idx in _atoms(keys)]
+    return out
+
+
+def _disjoint(boxes: list[Box]) -> bool:
+    for i, a in enumerate(boxes):            # boxes sorted by offsets
+        for b in boxes[i + 1:]:
+            if a.ndim and b.offsets[0] >= a.ends[0]:
+                break
+            if a.intersect(b) is not None:
+                return False
+    return True
+
+
+def _check_tensors(src: Layout, dst: Layout, allow_cast: bool, ignore_unused: bool) -> dict[str, dict]:
+    missing = sorted(set(dst.tensors) - set(src.tensors))
+    if missing:
+        raise PlanError(f"{len(missing)} destination tensor(s) have no source: {', '.join(missing[:8])}"
+                        + (" ..." if len(missing) > 8 else ""))
+    unused = sorted(set(src.tensors) - set(dst.tensors))
+    if unused and not ignore_unused:
+        raise PlanError(f"{len(unused)} source tensor(s) have no destination: {', '.join(unused[:8])}"
+                        + (" ..." if len(unused) > 8 else "") + " (pass ignore_unused=True to drop them)")
+    out = {}
+    for name in sorted(dst.tensors):
+        s, d = src.tensors[name], dst.tensors[name]
+        if s.shape != d.shape:
+            raise PlanError(f"tensor {name}: source shape {list(s.shape)} != destination shape {list(d.shape)}")
+        if s.dtype != d.dtype and not allow_cast:
+            raise PlanError(f"tensor {name}: source dtype {s.dtype} != destination dtype {d.dtype} "
+                            "(pass allow_cast=True to cast on the receiver)")
+        out[name] = {"shape": list(s.shape), "src_dtype": s.dtype, "dst_dtype": d.dtype}
+    return out
+
+
+def _uncovered(box: Box, covering: list[Box]) -> Box:
+    rest = [box]
+    for c in covering:
+        rest = [r for b in rest for r in subtract(b, c)]
+    return rest[0]
+
+
+def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
+              ignore_unused: bool = False) -> Plan:
+    """Plan the transfer of every destination piece from the source layout.
+
+    ``budget_bytes`` is the hard per-rank staging limit, on the send and on the receive side, per
+    round; larger copies are split.  Raises :class:`PlanError` before anything is planned to move
+    when the layouts disagree (names, shapes, dtypes) or a destination region has no source.
+    """
+    if budget_bytes < 1024:
+        raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
+    tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
+    index = _source_index(src)
+
+    local: list[Copy] = []
+    remote: list[tuple[Box, str, list[tuple[int, str, Piece]], int, str, Piece, int]] = []
+    lower_bound = 0
+    for r, buf, dp in dst.iter_pieces():
+        isz = itemsize(tensors[dp.tensor]["src_dtype"])
+        covering = []
+        for sbox, holders in index.get(dp.tensor, ()):
+            if sbox.ndim and (sbox.offsets[0] >= dp.box.ends[0] or sbox.ends[0] <= dp.box.offsets[0]):
+                continue
+            region = sbox.intersect(dp.box)
+            if region is None:
+                continue
+            covering.append(region)
+            mine = [h for h in holders if h[0] == r]
+            if mine:
+                hr, hb, hp = mine[0]
+                local.append(Copy(dp.tensor, region, hr, hb, hp.local_of(region), r, buf.name, dp.local_of(region),
+                                  region.numel * isz))
+            else:
+                remote.append((region, dp.tensor, holders, r, buf.name, dp, isz))
+                lower_bound += region.numel * isz
+        if sum(c.numel for c in covering) != dp.box.numel:
+            hole = _uncovered(dp.box, covering)
+            have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(dp.tensor, ())[:6]) or "none"
+            raise PlanError(f"tensor {dp.tensor}: destination rank {r} buffer {buf.name} needs {dp.box} of "
+                            f"shape {tensors[dp.tensor]['shape']}, but no source covers {hole} (source boxes: {have})")
+
+    # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
+    load: dict[int, int] = defaultdict(int)
+    order = sorted(range(len(remote)), key=lambda i: (-remote[i][0].numel * remote[i][6], remote[i][1],
+                                                      remote[i][0], remote[i][3], remote[i][4]))
+    chosen: dict[int, tuple[int, str, Piece]] = {}
+    for i in order:
+        region, _, holders, _, _, _, isz = remote[i]
+        ranks = sorted({h[0] for h in holders})
+        best = min(ranks, key=lambda q: (load[q], q))
+        chosen[i] = next(h for h in holders if h[0] == best)
+        load[best] += region.numel * isz
+    _rebalance(remote, chosen, load)
+
+    copies: list[Copy] = []
+    for i in sorted(chosen, key=lambda i: (chosen[i][0], remote[i][3], remote[i][1], remote[i][0])):
+        region, tensor, _, dr, dbuf, dpiece, isz = remote[i]
+        sr, sbuf, spiece = chosen[i]
+        for sub in split_box(region, max(1, (budget_bytes - ALIGN) // isz)):
+            copies.append(Copy(tensor, sub, sr, sbuf, spiece.local_of(sub), dr, dbuf, dpiece.local_of(sub), sub.numel * isz))
+
+    messages, rounds = _pack_rounds(copies, budget_bytes)
+    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items()) for box in buf.padding()]
+    buffers = {
+        "src": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
+        "dst": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
+    }
+    plan = Plan(tensors, buffers, messages, sorted(local, key=lambda c: (c.dst, c.dst_buffer, c.dst_local)),
+                padding, budget_bytes, rounds)
+    plan.stats = plan_stats(plan, lower_bound)
+    return plan
+
+
+def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
+    """Move regions off the most loaded sender while that lowers the maximum (deterministic)."""
+    by_sender: dict[int, set[int]] = defaultdict(set)
+    for i, h in chosen.items():
+        by_sender[h[0]].add(i)
+    for _ in range(max_moves):
+        if not load:
+            return
+        top = max(load, key=lambda q: (load[q], -q))
+        best_move = None
+        for i in sorted(by_sender[top]):
+            region, _, holders, _, _, _, isz = remote[i]
+            n = region.numel * isz
+            for q in sorted({x[0] for x in holders}):
+                if q != top and load[q] + n < load[top]:
+                    key = (load[q] + n, q, i)
+                    if best_move is None or key < best_move[0]:
+                        best_move = (key, i, q, n)
+        if best_move is None:
+            return
+        _, i, q, n = best_move
+        chosen[i] = next(h for h in remote[i][2] if h[0] == q)
+        by_sender[top].discard(i)
+        by_sender[q].add(i)
+        load[top] -= n
+        load[q] += n
+
+
+def _pack_rounds(copies: list[Copy], budget: int) -> tuple[list[Message], int]:
+    """First-fit decreasing into rounds so that no rank stages more than ``budget`` bytes to send
+    or to receive in one round; then one message per (round, src, dst) with 16-byte aligned entries."""
+    send: list[dict[int, int]] = []
+    recv: list[dict[int, int]] = []
+    placed: dict[tuple[int, int, int], list[Copy]] = defaultdict(list)
+    for c in sorted(copies, key=lambda c: (-c.nbytes, c.src, c.dst, c.tensor, c.box)):
+        n = _align(c.nbytes)
+        k = 0
+        while k < len(send) and (send[k].get(c.src, 0) + n > budget or recv[k].get(c.dst, 0) + n > budget):
+            k += 1
+        if k == len(send):
+            send.append({})
+            recv.append({})
+        send[k][c.src] = send[k].get(c.src, 0) + n
+        recv[k][c.dst] = recv[k].get(c.dst, 0) + n
+        placed[(k, c.src, c.dst)].append(c)
+    messages = []
+    for (k, s, d) in sorted(placed):
+        entries, off = [], 0
+        for c in sorted(placed[(k, s, d)], key=lambda c: (c.tensor, c.box, c.dst_buffer, c.dst_local)):
+            entries.append(Copy(c.tensor, c.box, c.src, c.src_buffer, c.src_local, c.dst, c.dst_buffer, c.dst_local, c.nbytes, off))
+            off += _align(c.nbytes)
+        messages.append(Message(k, s, d, off, tuple(entries)))
+    return messages, len(send)
+
+
+def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
+    sent: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    stage_send: dict[tuple[int, int], int] = defaultdict(int)
+    stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    for m in plan.messages:
+        payload = sum(c.nbytes for c in m.entries)
+        sent[m.src] += payload
+        recv[m.dst] += payload
+        stage_send[(m.round, m.src)] += m.nbytes
+        stage_recv[(m.round, m.dst)] += m.nbytes
+    network = sum(sent.values())
+    pad = 0
+    for r, b, box in plan.padding:
+        pad += box.numel * itemsize(plan.buffers["dst"][r][b][1])
+    ranks = plan.ranks
+    return {
+        "network_bytes": network,
+        "lower_bound_bytes": network if lower_bound is None else lower_bound,
+        "local_bytes": sum(c.nbytes for c in plan.local_copies),
+        "padding_bytes": pad,
+        "messages": len(plan.messages),
+        "rounds": plan.rounds,
+        "sent_bytes": {str(r): sent.get(r, 0) for r in ranks},
+        "recv_bytes": {str(r): recv.get(r, 0) for r in ranks},
+        "max_send_bytes": max(sent.values(), default=0),
+        "max_recv_bytes": max(recv.values(), default=0),
+        "max_stage_send_bytes": max(stage_send.values(), default=0),
+        "max_stage_recv_bytes": max(stage_recv.values(), default=0),
+    }

@@ -1,0 +1,63 @@
+"""The executor on real gloo process groups: world sizes 2, 4 and 8, several scenarios per launch."""
+from __future__ import annotations
+
+import pytest
+
+from mcore_reshard.launch import spawn
+
+import workers
+
+pytestmark = pytest.mark.multiproc
+
+
+def _check(results, n_cases):
+    for case in range(n_cases):
+        per_rank = [r[case] for r in results]
+        assert len({r["plan_hash"] for r in per_rank}) == 1
+        for r in per_rank:
+            assert r["mismatched_tensors"] == 0, r
+            assert r["same_storage"], r
+            # messages and bytes actually sent equal what the plan assigns to this rank
+            assert r["messages_sent"] == r["expected_messages"], r
+            assert r["bytes_sent"] == r["expected_bytes"], r
+        stats = per_rank[0]["stats"]
+        assert stats["network_bytes"] == stats["lower_bound_bytes"]
+
+
+def test_world_2():
+    cases = [
+        ("tp=2", "tp=1", True, {}),                                     # colocated: rank 0 copies half locally
+        ("tp=1", "tp=1", False, {"src_dtype": "bfloat16", "dst_dtype": "float32"}),   # cast on receive
+        ("tp=1", "tp=1", False, {"budget": 2048, "reps": 2}),           # many rounds under a tiny budget
+    ]
+    results = spawn(workers.scenarios, 2, cases, timeout=300)
+    _check(results, len(cases))
+    assert results[0][0]["messages_sent"] == 0 and results[1][0]["messages_sent"] == 1
+    assert results[0][2]["stats"]["rounds"] > 10
+
+
+def test_world_4():
+    cases = [
+        ("tp=2,pp=2", "tp=4", True, {}),
+        ("tp=2", "tp=1,dp=2", False, {}),
+        ("tp=1,dp=4,ep=4,etp=1", "tp=2,dp=2,ep=2,etp=2", True, {"src_dtype": "bfloat16"}),
+    ]
+    _check(spawn(workers.scenarios, 4, cases, timeout=300), len(cases))
+
+
+def test_world_8():
+    cases = [
+        ("tp=2,ep=2,etp=1,pp=2", "tp=4", False, {}),
+        ("tp=2,dp=4,ep=4,etp=1", "tp=4,dp=2", True, {"budget": 16384}),
+    ]
+    _check(spawn(workers.scenarios, 8, cases, timeout=400), len(cases))
+
+
+def test_inconsistent_ranks_all_refuse_before_moving():
+    results = spawn(workers.refusals, 2, timeout=120, pg_timeout=60)
+    for rank, cases in enumerate(results):
+        assert [c[0] for c in cases] == ["ReshardError"] * 3, cases
+        assert all(c[2] for c in cases), "destination modified by a refused reshard"
+        assert "plan hashes differ between ranks" in cases[0][1]
+        assert "rank 0: dst tensor model.norm.weight is [3] float32, plan says [32] float32" in cases[1][1]
+        assert "is [32] bfloat16, plan says [32] float32" in cases[2][1]

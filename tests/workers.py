@@ -1,0 +1,54 @@
+"""Functions run inside spawned gloo processes by the multi-process tests (must be importable)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_reshard.demo import build_layouts, demo_worker
+from mcore_reshard.executor import ReshardError, Resharder
+from mcore_reshard.planner import make_plan
+from mcore_reshard.synthetic import materialize, reference_tensor
+
+
+def scenarios(rank: int, world: int, cases: list) -> list:
+    """Run several demo scenarios in one launch; each case is (src, dst, colocated, kwargs)."""
+    out = []
+    for src, dst, colocated, kw in cases:
+        res = demo_worker(rank, world, src, dst, colocated, **kw)
+        src_l, dst_l = build_layouts(src, dst, colocated, kw.get("scale", 1), kw.get("src_dtype", "float32"), kw.get("dst_dtype"))
+        plan = make_plan(src_l, dst_l, budget_bytes=kw.get("budget", 256 << 20),
+                         allow_cast=kw.get("dst_dtype") not in (None, kw.get("src_dtype", "float32")))
+        res["expected_messages"] = sum(1 for m in plan.messages if m.src == rank)
+        res["expected_bytes"] = sum(m.nbytes for m in plan.messages if m.src == rank)
+        out.append(res)
+        dist.barrier()
+    return out
+
+
+def refusals(rank: int, world: int) -> list:
+    """Each case must make every rank raise ReshardError (no hang, nothing moved)."""
+    src, dst = build_layouts("tp=2", "tp=1,dp=2", True)
+    full = {n: reference_tensor(n, m.shape) for n, m in src.tensors.items()}
+    results = []
+
+    def attempt(plan, S, D):
+        before = {n: t.clone() for n, t in D.items()}
+        try:
+            Resharder(plan, S, D).refit()
+            results.append("no error")
+        except ReshardError as e:
+            untouched = all(torch.equal(before[n], D[n]) for n in D)
+            results.append(("ReshardError", str(e), untouched))
+
+    good = make_plan(src, dst)
+    # 1. ranks computed different plans (rank 1 used another staging budget)
+    plan = make_plan(src, dst, budget_bytes=4096) if rank == 1 else good
+    attempt(plan, materialize(src, rank, full), materialize(dst, rank, full, fill=7.0))
+    # 2. one rank's destination tensor has the wrong shape
+    D = materialize(dst, rank, full, fill=7.0)
+    if rank == 0:
+        D["model.norm.weight"] = torch.zeros(3)
+    attempt(good, materialize(src, rank, full), D)
+    # 3. destination dtype differs from the plan's (no cast was planned)
+    attempt(good, materialize(src, rank, full), materialize(dst, rank, full, fill=7.0, dtype=torch.bfloat16))
+    return results
