@@ -1,0 +1,75 @@
+"""Boxes (splits, subtraction, budget cuts) and the command line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from mcore_reshard.box import Box, split_box, split_sizes, subtract
+from mcore_reshard.cli import main
+
+
+@st.composite
+def boxes(draw, max_dim=6):
+    nd = draw(st.integers(1, 3))
+    offs = tuple(draw(st.integers(0, 3)) for _ in range(nd))
+    sizes = tuple(draw(st.integers(1, max_dim)) for _ in range(nd))
+    return Box(offs, sizes)
+
+
+def _mark(shape, boxes_):
+    a = np.zeros(shape, dtype=np.int64)
+    for b in boxes_:
+        a[b.slices()] += 1
+    return a
+
+
+@settings(max_examples=200, deadline=None)
+@given(boxes(), st.integers(1, 40))
+def test_split_box_covers_once_within_limit(box, limit):
+    parts = list(split_box(box, limit))
+    assert all(p.numel <= limit for p in parts)
+    cnt = _mark(box.ends, parts)
+    assert (cnt[box.slices()] == 1).all() and cnt.sum() == box.numel
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda nd: st.tuples(*[st.tuples(st.integers(0, 3), st.integers(1, 5))] * (2 * nd))))
+def test_subtract_is_exact(dims):
+    nd = len(dims) // 2
+    a = Box(tuple(o for o, _ in dims[:nd]), tuple(s for _, s in dims[:nd]))
+    b = Box(tuple(o for o, _ in dims[nd:]), tuple(s for _, s in dims[nd:]))
+    rest = subtract(a, b)
+    shape = tuple(max(x, y) for x, y in zip(a.ends, b.ends))
+    expect = _mark(shape, [a])
+    inter = a.intersect(b)
+    if inter is not None:
+        expect[inter.slices()] = 0
+    assert (_mark(shape, rest) == expect).all()
+
+
+def test_split_modes():
+    assert split_sizes(10, 3, "even") == [4, 3, 3]
+    assert split_sizes(10, 3, "chunk") == [4, 4, 2]
+    assert split_sizes(3 * 4 + 1, 4, "even") == [4, 3, 3, 3]
+    assert split_sizes(2, 4, "chunk") == [1, 1, 0, 0]
+
+
+def test_cli_help_explains_itself():
+    out = subprocess.run([sys.executable, "-m", "mcore_reshard.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for word in ("demo", "plan", "tp=2,pp=2,ep=2", "bit for bit", "lower bound"):
+        assert word in out
+    out = subprocess.run([sys.executable, "-m", "mcore_reshard.cli", "demo", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--colocated" in out and "--budget-mib" in out
+
+
+def test_cli_plan_writes_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--src", "tp=2,pp=2", "--dst", "tp=4", "--out", str(path)]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads(path.read_text())
+    assert plan["stats"]["network_bytes"] == plan["stats"]["lower_bound_bytes"]
+    assert f"bytes over network {plan['stats']['network_bytes']:,}" in text
