@@ -19,6 +19,7 @@ Example (4 ranks, colocated): every rank builds the same plan from the same layo
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -198,3 +199,21 @@ class Resharder:
             nmsg += len(rnd.sends)
             sent += sum(b.numel() for _, b, _ in rnd.sends)
         return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+
+
+def all_gather_json(obj, group=None) -> list:
+    """Every rank's JSON-able ``obj``, in rank order (metadata exchange; never pickle)."""
+    data = json.dumps(obj, sort_keys=True).encode()
+    device = _group_device(group)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(device)
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf, group=group)
+    return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]

@@ -49,13 +49,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg_
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, str]] = {}
+    timed_out = False
     deadline = time.monotonic() + timeout
     try:
         while len(outcomes) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"launch of {world_size} ranks timed out after {timeout:.0f} s; "
-                                   f"ranks that finished: {sorted(outcomes)}")
+                timed_out = True
+                break
             try:
                 rank, ok, payload = results.get(timeout=min(left, 1.0))
                 outcomes[rank] = (ok, payload)
@@ -73,7 +74,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg_
     if failed or missing:
         detail = "\n".join(f"--- rank {r} ---\n{text}" for r, text in failed.items())
         codes = {i: procs[i].exitcode for i in missing}
-        raise RuntimeError(f"{len(failed)} rank(s) failed"
+        raise RuntimeError((f"launch timed out after {timeout:.0f} s; " if timed_out else "") + f"{len(failed)} rank(s) failed"
                            + (f"; ranks {missing} never reported (exit codes {codes})" if missing else "")
                            + f":\n{detail}")
     return [json.loads(outcomes[r][1]) for r in range(world_size)]

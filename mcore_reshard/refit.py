@@ -1,0 +1,95 @@
+"""Reshard a live Megatron-Core model into another live model (any parallel config), shard to shard.
+
+``MegatronRefit(src_chunks, dst_chunks, group)`` is collective over ``group``: each rank reads its
+own part of both layouts from the models (``megatron_model.read_layout``), the parts are exchanged
+as JSON, every rank maps them to canonical tensors through the family table, plans, and binds the
+executor.  ``refit()`` then moves every weight.  Any error on any rank (unknown tensor, config
+mismatch, uncovered region) is raised on every rank before a byte moves.
+
+Example, colocated TP2 PP2 -> TP1 EP4 on 4 ranks (every rank holds both models)::
+
+    rank | src_chunks (train)  | dst_chunks (inference)
+    0..3 | [gpt_tp2pp2]        | [gpt_tp1ep4]
+    r = MegatronRefit(src, dst, group=None); r.refit()     # after each optimizer step
+
+Disaggregated: training ranks pass ``dst_chunks=[]``, inference ranks ``src_chunks=[]``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .executor import ReshardError, Resharder, all_gather_json
+from .family import canonicalize, load_family
+from .layout import Layout
+from .megatron_model import family_for, model_config, read_layout
+from .planner import DEFAULT_BUDGET, make_plan
+
+ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank",
+             "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "vocab_size", "mtp_num_layers")
+
+
+def _merge(parts: list[dict]) -> Layout:
+    lay = Layout()
+    for part in parts:
+        piece = Layout.from_json(part)
+        for name, meta in piece.tensors.items():
+            lay.add_tensor(name, meta.shape, meta.dtype)
+        for r, bufs in piece.buffers.items():
+            for b in bufs.values():
+                lay.add_buffer(r, b)
+    return lay
+
+
+def _one_config(configs: list[dict], side: str) -> dict:
+    seen = [c for c in configs if c]
+    if not seen:
+        return {}
+    for c in seen[1:]:
+        diff = {k: (seen[0].get(k), c.get(k)) for k in ARCH_KEYS if seen[0].get(k) != c.get(k)}
+        if diff:
+            raise ReshardError(f"{side} ranks disagree on the model config: {diff}")
+    return seen[0]
+
+
+class MegatronRefit:
+    """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks."""
+
+    def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module], group=None, *,
+                 family: str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
+                 vocab_size: int | None = None, timeout: float | None = None):
+        rank = dist.get_rank(group)
+        payload, src_t, dst_t = {"error": None}, {}, {}
+        try:
+            src_l, src_t = read_layout(src_chunks, rank)
+            dst_l, dst_t = read_layout(dst_chunks, rank)
+            payload.update(src=src_l.to_json(), dst=dst_l.to_json(),
+                           src_cfg=model_config(src_chunks), dst_cfg=model_config(dst_chunks))
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it
+            payload["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+        parts = all_gather_json(payload, group)
+        errors = [p["error"] for p in parts if p["error"]]
+        if errors:
+            raise ReshardError("reading the models failed: " + " | ".join(errors))
+        src_cfg = _one_config([p["src_cfg"] for p in parts], "source")
+        dst_cfg = _one_config([p["dst_cfg"] for p in parts], "destination")
+        diff = {k: (src_cfg.get(k), dst_cfg.get(k)) for k in ARCH_KEYS if src_cfg.get(k) != dst_cfg.get(k)}
+        if diff:
+            raise ReshardError("source and destination models differ (source, destination): "
+                               + ", ".join(f"{k}={a}/{b}" for k, (a, b) in sorted(diff.items())))
+        config = dict(src_cfg)
+        if vocab_size is not None:
+            config["vocab_size"] = vocab_size
+        self.family = load_family(family_for(config) if family == "auto" else family)
+        src = _merge([p["src"] for p in parts])
+        dst = _merge([p["dst"] for p in parts])
+        self.src_layout = canonicalize(src, self.family, config)
+        self.dst_layout = canonicalize(dst, self.family, config)
+        self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast)
+        self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout)
+
+    def refit(self) -> dict:
+        return self.resharder.refit()

@@ -1,0 +1,135 @@
+"""Scenarios for the Megatron-to-Megatron refit tests, run inside spawned gloo processes.
+
+The reference is deliberately independent of the code under test: full tensors are rebuilt from
+each parameter's own attributes (``tensor_model_parallel``, ``partition_dim``,
+``partition_stride``, ``allreduce=False`` for experts), Megatron's process groups and the layers'
+``layer_number`` by plain all-gathers, never from ``sharded_state_dict()`` (which the adapter reads).
+Every rank reports a sha256 per full tensor; the test compares source and destination reports.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+import mcore_cpu
+
+BUILDERS = {"dsv3": "build_dsv3_tiny", "gqa": "build_gqa_dense_tiny", "qwen3": "build_qwen3_moe_tiny"}
+
+
+def _global_name(chunk, name: str, ep_rank: int) -> str:
+    m = re.search(r"local_experts\.(\d+)\.", name)
+    if m:
+        n_local = len(chunk.get_submodule(name[:m.start()].rstrip(".")).local_experts)
+        name = name[:m.start()] + f"experts.{ep_rank * n_local + int(m.group(1))}." + name[m.end():]
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if m:
+        layer = chunk.decoder.layers[int(m.group(1))]
+        name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+    return name
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
+
+
+def _gather(t: torch.Tensor, group, dim: int, stride: int) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    if stride == 1:
+        return torch.cat(parts, dim)
+    chunks = [p.chunk(stride, dim) for p in parts]
+    return torch.cat([c[s] for s in range(stride) for c in chunks], dim)
+
+
+def _named_tensors(chunk):
+    yield from chunk.named_parameters()
+    for n, b in chunk.named_buffers():
+        if n.endswith("expert_bias"):
+            yield n, b
+
+
+def reference_digests(chunks) -> dict[str, list]:
+    """Global name -> [shape, dtype, sha256 prefix] of every full tensor, by the simple path."""
+    from megatron.core import parallel_state as ps
+    tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    out = {}
+    for chunk in chunks:
+        for name, p in _named_tensors(chunk):
+            full = p.detach()
+            if getattr(p, "tensor_model_parallel", False):
+                group = etp_group if getattr(p, "allreduce", True) is False else tp_group
+                full = _gather(full, group, p.partition_dim, getattr(p, "partition_stride", 1))
+            out[_global_name(chunk, name, ep_rank)] = [list(full.shape), str(full.dtype), _digest(full)]
+    return out
+
+
+def perturb_replicated(chunks, step: int = 0) -> None:
+    """Give replicated tensors (norms, router, expert bias) values that depend on their global
+    name only (Megatron initialises norms to ones and the bias to zeros: too easy to pass)."""
+    from megatron.core import parallel_state as ps
+    ep_rank = ps.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in _named_tensors(chunk):
+                if getattr(p, "tensor_model_parallel", False):
+                    p.add_(0.01 * step)
+                    continue
+                g = torch.Generator().manual_seed(zlib.crc32(_global_name(chunk, name, ep_rank).encode()) + step)
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def _build(kind: str, sizes: dict, dtype: torch.dtype, kw: dict):
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()   # keep the previous model's groups alive: it still uses them
+    mcore_cpu.init_megatron(sizes.get("tp", 1), sizes.get("pp", 1), ep=sizes.get("ep", 1), etp=sizes.get("etp"),
+                            vpp=sizes.get("vpp"))
+    extra = {k: sizes[k] for k in ("first_stage_layers", "last_stage_layers") if k in sizes}
+    return getattr(mcore_cpu, BUILDERS[kind])(dtype=dtype, **kw, **extra)
+
+
+def refit_scenarios(rank: int, world: int, cases: list) -> list:
+    """Each case: {"model", "src", "dst", "dtype", "kw"}; colocated on all ranks of the world."""
+    from mcore_reshard.refit import MegatronRefit
+    mcore_cpu.install_cpu_shims()
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    for case in cases:
+        dtype = getattr(torch, case.get("dtype", "float32"))
+        kw = case.get("kw", {})
+        src = _build(case["model"], case["src"], dtype, kw)
+        perturb_replicated(src)
+        src_logits = mcore_cpu.forward_logits(src, tokens)
+        src_ref = reference_digests(src)
+        dst = _build(case["model"], case["dst"], dtype, kw)
+        ptrs = {n: p.data_ptr() for c in dst for n, p in c.named_parameters()}
+        t0 = time.perf_counter()
+        refit = MegatronRefit(src, dst)
+        setup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sent = refit.refit()
+        refit_s = time.perf_counter() - t0
+        dst_ref = reference_digests(dst)
+        dst_logits = mcore_cpu.forward_logits(dst, tokens)
+        stats = refit.plan.stats
+        results.append({
+            "src": src_ref, "dst": dst_ref,
+            "logits_max_diff": float((src_logits - dst_logits).abs().max()),
+            "logits_scale": float(src_logits.abs().max()),
+            "same_storage": all(p.data_ptr() == ptrs[n] for c in dst for n, p in c.named_parameters()),
+            "network_bytes": stats["network_bytes"], "lower_bound_bytes": stats["lower_bound_bytes"],
+            "messages_sent": sent["messages_sent"], "plan_messages_from_me": sum(1 for m in refit.plan.messages if m.src == rank),
+            "tensors": len(refit.plan.tensors), "setup_s": setup_s, "refit_s": refit_s,
+        })
+        mcore_cpu.destroy_megatron()
+        dist.barrier()
+    return results
