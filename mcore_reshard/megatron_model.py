@@ -75,7 +75,9 @@ def read_layout(chunks: Sequence[torch.nn.Module], rank: int) -> tuple[Layout, d
         prefix = f"vpp{c}." if len(chunks) > 1 else ""
         named = dict(chunk.named_parameters())
         named.update(dict(chunk.named_buffers()))
-        for local_name, sh in chunk.sharded_state_dict().items():
+        # per-layer keys with global layer numbers (homogeneous stacks would otherwise get one key
+        # with a leading layer axis)
+        for local_name, sh in chunk.sharded_state_dict(metadata={"non_homogeneous_layers": True}).items():
             if isinstance(sh, ShardedObject):
                 continue
             if local_name not in named:
