@@ -87,18 +87,23 @@ def perturb_replicated(chunks, step: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
 
 
-def _build(kind: str, sizes: dict, dtype: torch.dtype, kw: dict):
+def _build(kind: str, sizes: dict, dtype: torch.dtype, kw: dict, order: str = "tp-cp-ep-dp-pp"):
     from megatron.core import parallel_state as ps
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()   # keep the previous model's groups alive: it still uses them
     mcore_cpu.init_megatron(sizes.get("tp", 1), sizes.get("pp", 1), ep=sizes.get("ep", 1), etp=sizes.get("etp"),
-                            vpp=sizes.get("vpp"), cp=sizes.get("cp", 1))
+                            vpp=sizes.get("vpp"), cp=sizes.get("cp", 1), order=order)
     extra = {k: sizes[k] for k in ("first_stage_layers", "last_stage_layers") if k in sizes}
     return getattr(mcore_cpu, BUILDERS[kind])(dtype=dtype, **kw, **extra)
 
 
 def refit_scenarios(rank: int, world: int, cases: list) -> list:
-    """Each case: {"model", "src", "dst", "dtype", "kw"}; colocated on all ranks of the world."""
+    """Each case: {"model", "src", "dst", "dtype", "kw", "disaggregated"}.
+
+    Colocated: both models on every rank.  Disaggregated: the first half of the ranks train (the
+    source model is built with dp slowest, so ranks [0, world/2) hold one whole replica), the
+    second half infer; each rank hands the refit only its own side's chunks, so every byte
+    crosses between disjoint rank sets.  Reports come from the side that took part."""
     from mcore_reshard.refit import MegatronRefit
     mcore_cpu.install_cpu_shims()
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -106,7 +111,10 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
     for case in cases:
         dtype = getattr(torch, case.get("dtype", "float32"))
         kw = case.get("kw", {})
-        src = _build(case["model"], case["src"], dtype, kw)
+        disagg = case.get("disaggregated", False)
+        is_src = not disagg or rank < world // 2
+        is_dst = not disagg or rank >= world // 2
+        src = _build(case["model"], case["src"], dtype, kw, "tp-cp-ep-pp-dp" if disagg else "tp-cp-ep-dp-pp")
         perturb_replicated(src)
         # the local DotProductAttention has no context-parallel forward: no logits with CP > 1
         with_logits = case["src"].get("cp", 1) == 1 and case["dst"].get("cp", 1) == 1
@@ -115,7 +123,7 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
         dst = _build(case["model"], case["dst"], dtype, kw)
         ptrs = {n: p.data_ptr() for c in dst for n, p in c.named_parameters()}
         t0 = time.perf_counter()
-        refit = MegatronRefit(src, dst)
+        refit = MegatronRefit(src if is_src else [], dst if is_dst else [])
         setup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         sent = refit.refit()
@@ -124,11 +132,11 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
         dst_logits = mcore_cpu.forward_logits(dst, tokens) if with_logits else None
         stats = refit.plan.stats
         results.append({
-            "src": src_ref, "dst": dst_ref,
-            "logits_max_diff": float((src_logits - dst_logits).abs().max()) if with_logits else None,
+            "src": src_ref if is_src else {}, "dst": dst_ref if is_dst else {},
+            "logits_max_diff": float((src_logits - dst_logits).abs().max()) if with_logits and is_dst else 0.0,
             "logits_scale": float(src_logits.abs().max()) if with_logits else None,
             "same_storage": all(p.data_ptr() == ptrs[n] for c in dst for n, p in c.named_parameters()),
-            "network_bytes": stats["network_bytes"], "lower_bound_bytes": stats["lower_bound_bytes"],
+            "network_bytes": stats["network_bytes"], "lower_bound_bytes": stats["lower_bound_bytes"], "local_bytes": stats["local_bytes"],
             "messages_sent": sent["messages_sent"], "plan_messages_from_me": sum(1 for m in refit.plan.messages if m.src == rank),
             "tensors": len(refit.plan.tensors), "setup_s": setup_s, "refit_s": refit_s,
         })

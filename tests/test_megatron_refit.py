@@ -30,9 +30,20 @@ CASES = [
 ]
 
 
+DISAGGREGATED = [
+    ("dsv3 TP2 PP2 (ranks 0-3) -> TP4 (ranks 4-7)", {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 4}, "kw": {"mtp": True}, "disaggregated": True}),
+    ("dsv3 TP2 EP2 (ranks 0-3) -> TP1 EP4 (ranks 4-7)", {"model": "dsv3", "src": {"tp": 2, "ep": 2}, "dst": {"tp": 1, "ep": 4, "etp": 1}, "kw": {"mtp": True}, "disaggregated": True}),
+]
+
+
 @pytest.fixture(scope="module")
 def results():
     return spawn(megatron_refit_worker.refit_scenarios, 4, [c for _, c in CASES], timeout=600)
+
+
+@pytest.fixture(scope="module")
+def disaggregated_results():
+    return spawn(megatron_refit_worker.refit_scenarios, 8, [c for _, c in DISAGGREGATED], timeout=600)
 
 
 def _merge(results, case, side):
@@ -45,15 +56,26 @@ def _merge(results, case, side):
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[name for name, _ in CASES])
 def test_refit_is_bit_exact_minimal_and_in_place(results, case):
+    check_case(results, case, CASES[case][1])
+
+
+@pytest.mark.parametrize("case", range(len(DISAGGREGATED)), ids=[name for name, _ in DISAGGREGATED])
+def test_disaggregated_refit(disaggregated_results, case):
+    check_case(disaggregated_results, case, DISAGGREGATED[case][1])
+    # nothing was local: every destination byte crossed from a training rank to an inference rank
+    assert all(r[case]["network_bytes"] > 0 and r[case]["local_bytes"] == 0 for r in disaggregated_results)
+
+
+def check_case(results, case, spec):
     src, dst = _merge(results, case, "src"), _merge(results, case, "dst")
-    if CASES[case][1]["kw"].get("tied_embeddings"):
+    if spec["kw"].get("tied_embeddings"):
         # with tied embeddings and PP > 1 the last stage keeps its own copy of the embedding as
         # output_layer.weight: it must receive the (source) embedding too
         for side in (src, dst):
             if "output_layer.weight" in side:
                 assert side.pop("output_layer.weight") == src["embedding.word_embeddings.weight"]
     assert set(src) == set(dst), set(src) ^ set(dst)
-    assert any("expert_bias" in n for n in src) == (CASES[case][1]["model"] == "dsv3")
+    assert any("expert_bias" in n for n in src) == (spec["model"] == "dsv3")
     for name in src:
         assert len(src[name]) == 1, f"source replicas of {name} disagree: {src[name]}"
         assert dst[name] == src[name], f"{name}: source {src[name]} destination {dst[name]}"
@@ -64,8 +86,8 @@ def test_refit_is_bit_exact_minimal_and_in_place(results, case):
         assert res["same_storage"]
         # fp32: different parallel configs only reorder reductions (observed <= 3e-7); bf16 logits
         # are rounded to bf16 (ulp 2^-8 relative), so allow 2 ulps of the largest logit.
-        tol = 1e-5 if CASES[case][1].get("dtype", "float32") == "float32" else 2 * 2 ** -8 * res["logits_scale"]
-        if CASES[case][1]["src"].get("cp", 1) == 1:
+        tol = 1e-5 if spec.get("dtype", "float32") == "float32" else 2 * 2 ** -8 * res["logits_scale"]
+        if spec["src"].get("cp", 1) == 1:
             assert res["logits_max_diff"] <= tol, res["logits_max_diff"]
 
 
