@@ -298,6 +298,7 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     plan = Plan(tensors, buffers, messages, sorted(local, key=lambda c: (c.dst, c.dst_buffer, c.dst_local)),
                 padding, budget_bytes, rounds)
     plan.stats = plan_stats(plan, lower_bound)
+    plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
     return plan
 
 

@@ -13,6 +13,12 @@ Example, colocated TP2 PP2 -> TP1 EP4 on 4 ranks (every rank holds both models):
     r = MegatronRefit(src, dst, group=None); r.refit()     # after each optimizer step
 
 Disaggregated: training ranks pass ``dst_chunks=[]``, inference ranks ``src_chunks=[]``.
+
+Any other target (Hugging Face, vLLM, SGLang) is passed as ``target=(layout, tensors)``: this
+rank's part of the target layout in canonical names and its real tensors, e.g.
+``hf_model.hf_layout(hf_model, rank)``.  Source tensors the target does not hold (the MTP layer
+for a transformers model) are dropped only with ``ignore_unused=True`` and listed in
+``plan.stats["unused_tensors"]``.
 """
 from __future__ import annotations
 
@@ -58,15 +64,18 @@ def _one_config(configs: list[dict], side: str) -> dict:
 class MegatronRefit:
     """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks."""
 
-    def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module], group=None, *,
-                 family: str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
-                 vocab_size: int | None = None, timeout: float | None = None):
+    def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
+                 target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
+                 allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
+                 timeout: float | None = None):
         rank = dist.get_rank(group)
         payload, src_t, dst_t = {"error": None}, {}, {}
         try:
             src_l, src_t = read_layout(src_chunks, rank)
-            dst_l, dst_t = read_layout(dst_chunks, rank)
-            payload.update(src=src_l.to_json(), dst=dst_l.to_json(),
+            if target is not None and dst_chunks:
+                raise ValueError("pass either dst_chunks (a Megatron target) or target=(layout, tensors), not both")
+            dst_l, dst_t = target if target is not None else read_layout(dst_chunks, rank)
+            payload.update(src=src_l.to_json(), dst=dst_l.to_json(), canonical_dst=target is not None,
                            src_cfg=model_config(src_chunks), dst_cfg=model_config(dst_chunks))
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             payload["error"] = f"rank {rank}: {type(e).__name__}: {e}"
@@ -76,6 +85,9 @@ class MegatronRefit:
             raise ReshardError("reading the models failed: " + " | ".join(errors))
         src_cfg = _one_config([p["src_cfg"] for p in parts], "source")
         dst_cfg = _one_config([p["dst_cfg"] for p in parts], "destination")
+        canonical_dst = any(p["canonical_dst"] for p in parts)
+        if canonical_dst:
+            dst_cfg = src_cfg   # a non-Megatron target: its shapes are checked tensor by tensor by the planner
         diff = {k: (src_cfg.get(k), dst_cfg.get(k)) for k in ARCH_KEYS if src_cfg.get(k) != dst_cfg.get(k)}
         if diff:
             raise ReshardError("source and destination models differ (source, destination): "
@@ -87,8 +99,9 @@ class MegatronRefit:
         src = _merge([p["src"] for p in parts])
         dst = _merge([p["dst"] for p in parts])
         self.src_layout = canonicalize(src, self.family, config)
-        self.dst_layout = canonicalize(dst, self.family, config)
-        self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast)
+        self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
+        self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
+                              ignore_unused=ignore_unused)
         self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout)
 
     def refit(self) -> dict:

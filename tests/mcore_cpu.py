@@ -10,10 +10,10 @@ Public API
     Idempotent runtime patches for the CUDA-only calls Megatron-Core hits on a CPU-only torch
     (model build, forward with the alltoall/allgather MoE dispatchers, ``megatron.core.resharding``'s
     gloo copy service).
-``init_megatron(tp, pp, ep=1, etp=None, cp=1, vpp=None, order="tp-cp-ep-dp-pp", seed=1234)``
+``init_megatron(tp=1, pp=1, ep=1, etp=None, cp=1, vpp=None, order="tp-cp-ep-dp-pp", seed=1234)``
     ``parallel_state.initialize_model_parallel`` + ``model_parallel_cuda_manual_seed`` on an already
     initialised gloo ``torch.distributed``.
-``destroy_megatron()``
+``destroy_megatron(barrier=True)``
     Tear all of that down (and destroy the process groups it created) so that another layout can be
     initialised in the same process.
 ``build_dsv3_tiny(...)``, ``build_gqa_dense_tiny(...)``, ``build_qwen3_moe_tiny(...)``
@@ -22,9 +22,13 @@ Public API
 ``forward_logits(chunks, tokens)``
     Forward on CPU (any PP, VPP, TP, EP, ETP, SP; CP=1) returning full-vocab fp32 logits
     ``[b, s, vocab]`` on every rank.
-``spawn(fn, world_size, *args, timeout=...)``
-    Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with gloo initialised;
-    returns the list of per-rank return values, raises on a child failure or on timeout.
+``spawn(fn, world_size, *args, timeout=300, gloo_timeout=120, start_method="forkserver", quiet=True)``
+    Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with gloo initialised
+    (FILE rendezvous in a new temp dir); returns the list of per-rank return values, raises on a
+    child failure (with the root-cause traceback) or on timeout.
+``causal_mask(seq_len)``
+    The explicit bool causal mask passed to the models (``attention_mask=None`` would allocate on
+    CUDA).
 
 What works (megatron-core 0.19.2, torch 2.13, CPU, local spec)
 --------------------------------------------------------------
@@ -32,10 +36,23 @@ What works (megatron-core 0.19.2, torch 2.13, CPU, local spec)
   ``pipeline_layout`` string), VPP (one chunk per virtual stage), EP, expert-TP != TP, CP groups
   (build only: the local ``DotProductAttention`` has no context-parallel forward, so
   :func:`forward_logits` requires CP=1).
-* MTP (``mtp=True`` in :func:`build_dsv3_tiny`) builds and runs with PP=1 and PP>1 (the MTP block
-  lives on the last pipeline stage, which then also holds a copy of the word embeddings, all-reduced
-  from the first stage at build time). In forward without labels the MTP block runs but its output
-  does not change the returned main-head logits.
+* MTP (``mtp=True`` in :func:`build_dsv3_tiny`) builds and runs with PP=1, PP>1 and VPP (the MTP
+  block lives on the last (virtual) pipeline stage, which then also holds a copy of the word
+  embeddings, all-reduced from the first stage at build time). In forward without labels the MTP
+  block runs (its loss is derived from the input ids and discarded); the returned logits are the
+  main head's.
+* Tied embeddings with PP/VPP (the last stage's output weight is all-reduced from the first stage).
+* fp32 and bf16 (norm weights and the router expert bias stay fp32, as on GPU).
+
+What does not
+-------------
+* Forward with CP>1 (groups and builds are fine).
+* Megatron's own pipeline schedules (they allocate CUDA tensors): :func:`forward_logits` runs its
+  own sequential send/recv loop instead. Forward only, no backward.
+* Transformer-Engine specs (TE cannot be installed here): local spec only, i.e. SequentialMLP
+  experts, TP-sharded MLA down-projections.
+* Init is TP-invariant but not EP- or PP-invariant (fewer local experts/layers draw fewer random
+  numbers): compare layouts through gathered tensors, not by rebuilding with the same seed.
 """
 from __future__ import annotations
 
@@ -45,13 +62,12 @@ import dataclasses
 import functools
 import os
 import shutil
-import sys
 import tempfile
 import time
 import traceback
 import types
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -237,7 +253,7 @@ def install_cpu_shims() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def init_megatron(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None, cp: int = 1,
+def init_megatron(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None, cp: int = 1,
                   vpp: Optional[int] = None, order: str = "tp-cp-ep-dp-pp", seed: int = 1234) -> None:
     """Initialise Megatron-Core's parallel state for this layout on the live gloo world.
 
@@ -266,11 +282,19 @@ def init_megatron(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None, cp: 
     model_parallel_cuda_manual_seed(seed)
 
 
-def destroy_megatron() -> None:
+def destroy_megatron(barrier: bool = True) -> None:
     """Undo :func:`init_megatron`: destroy every process group Megatron created and reset its
-    globals, so that the next :func:`init_megatron` (any sizes) starts clean. Idempotent."""
+    globals, so that the next :func:`init_megatron` (any sizes) starts clean. Idempotent.
+
+    Collective (all ranks must call it) unless ``barrier=False``: the barrier keeps a fast rank from
+    aborting a gloo group while a peer is still connecting to it (seen as a flaky "Gloo
+    connectFullMesh failed ... Connection closed by peer" when nothing else synchronises the ranks
+    between init and destroy).
+    """
     from megatron.core import parallel_state as ps
 
+    if barrier and dist.is_initialized():
+        dist.barrier()
     groups = [g for g in (ps._global_process_group_list or []) if g is not None]
     ps.destroy_model_parallel()
     # destroy_model_parallel only drops Megatron's references; free the gloo groups themselves.
@@ -440,16 +464,20 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
                     sequence_parallel: bool = False, vpp: Optional[int] = None,
                     first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
                     pipeline_layout: Optional[str] = None, dispatcher: str = "alltoall",
-                    num_experts: int = 8) -> list:
+                    num_experts: int = 8, topk: int = 2) -> list:
     """Tiny DeepSeek-V3-style model: MLA (q_lora 32, kv_lora 16, nope 16, rope 8, v 16, 4 heads,
     hidden 64), first layer dense (ffn 128), the rest MoE with ``num_experts`` routed experts
     (ffn 32, top-2, sigmoid scores, expert bias, 4 groups / top-2 groups, scaling 2.5) plus one
     shared expert (ffn 32); RMSNorm, q/kv layernorms, untied embeddings, vocab 128.
 
-    ``mtp=True`` adds one MTP layer (works with PP=1 and PP>1; it sits on the last stage).
+    ``mtp=True`` adds one MTP layer (works with PP=1, PP>1 and VPP; it sits on the last stage).
     ``vpp=None`` takes the virtual pipeline size from ``parallel_state``. Uneven PP: pass
     ``first_stage_layers``/``last_stage_layers`` or a Megatron ``pipeline_layout`` string such as
-    ``"Et|ttt,mL"``. Returns this rank's chunks (one per virtual stage).
+    ``"Et|ttt,mL"`` (PP2) or ``"Et|t|t|tmL"`` (PP2 x VPP2). ``sequence_parallel`` is ignored when
+    TP=1. ``dispatcher``: ``"alltoall"`` or ``"allgather"``. Returns this rank's chunks (one per
+    virtual stage), in eval mode.
+
+    The other builders take the same layout keywords.
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -459,7 +487,7 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
         num_layers=num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
         q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
         kv_channels=16, rope_type="rope", qk_layernorm=True, layernorm_epsilon=1e-6,
-        num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=32,
+        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=32,
         moe_shared_expert_intermediate_size=32, moe_layer_freq=[0] + [1] * (num_layers - 1),
         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
@@ -588,10 +616,28 @@ def forward_logits(chunks: Sequence[torch.nn.Module], tokens: torch.Tensor) -> t
 # ----------------------------------------------------------------------------------------------
 
 
+def _quiet() -> None:
+    """Silence the per-process import/build chatter (Apex/TE fallbacks, deprecations, 'GPTModel IS
+    DEPRECATED'), which would otherwise be printed once per rank and scenario."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for name in ("megatron", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _spawn_worker(rank: int, fn: Callable, world_size: int, init_file: str, result_dir: str,
-                  gloo_timeout_s: float, args: tuple) -> None:
+                  gloo_timeout_s: float, quiet: bool, env: dict, args: tuple) -> None:
+    # forkserver children inherit the server's environment from when it started: use the caller's
+    os.environ.clear()
+    os.environ.update(env)
+    if quiet:
+        _quiet()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # gloo groups connect their pairs on first use: initialize_model_parallel creates dozens of
+    # groups, most never used in a test (halves init time at world 8). Set it to 0 to opt out.
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     torch.set_num_threads(1)  # world_size processes share a few cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=gloo_timeout_s))
@@ -599,39 +645,90 @@ def _spawn_worker(rank: int, fn: Callable, world_size: int, init_file: str, resu
         install_cpu_shims()
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"result_{rank}.pt"))
-    finally:
-        try:
-            from megatron.core import parallel_state as ps
+    except BaseException:
+        # every failing rank leaves its traceback, so the parent can show the root cause rather than
+        # whichever rank died first (often a peer that only saw "Connection closed by peer").
+        with open(os.path.join(result_dir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise  # no collective clean-up: peers may be dead; the process exits
+    from megatron.core import parallel_state as ps
 
-            if ps.model_parallel_is_initialized():
-                destroy_megatron()
-        except Exception:
-            pass
-        dist.destroy_process_group()
+    if ps.model_parallel_is_initialized():
+        destroy_megatron()
+    dist.barrier()  # nobody tears the world down while a peer still finishes its last collective
+    dist.destroy_process_group()
+
+
+_FORKSERVER_PRELOAD = [
+    __name__,  # this module, which imports torch
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer.transformer_config",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.gpt.gpt_model",
+]
+
+
+_SECONDARY_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                     "Broken pipe", "KeyboardInterrupt")
+
+
+def _failure_report(fn, world_size: int, tmp: str, exc: Exception) -> str:
+    errors = {}
+    for r in range(world_size):
+        path = os.path.join(tmp, f"error_{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors[r] = f.read()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    head = f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size}) failed (first exit: {first})"
+    if not errors:  # killed by a signal / os._exit before Python could report
+        return f"{head}: {exc}"
+    primary = [r for r, t in errors.items() if not any(m in t for m in _SECONDARY_ERRORS)] or list(errors)
+    lines = [f"{head}: ranks {sorted(errors)} raised; root cause from rank {primary[0]}:", errors[primary[0]]]
+    for r, t in errors.items():
+        if r != primary[0]:
+            lines.append(f"rank {r}: {t.strip().splitlines()[-1]}")
+    return "\n".join(lines)
 
 
 def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0,
-          gloo_timeout: float = 120.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (``spawn`` start method)
-    with a gloo world initialised through a FILE rendezvous in a new temporary directory
-    (``GLOO_SOCKET_IFNAME=lo``, one torch thread per process, CPU shims installed).
+          gloo_timeout: float = 120.0, start_method: str = "forkserver", quiet: bool = True) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with a gloo world
+    initialised through a FILE rendezvous in a new temporary directory (``GLOO_SOCKET_IFNAME=lo``,
+    one torch thread per process, CPU shims installed). Never uses a TCP port of its own.
 
     ``fn`` must be importable by the children (a module-level function). Returns the per-rank return
     values (which must be ``torch.save``-able), in rank order. A child exception is raised here as
     ``RuntimeError`` carrying the child's traceback text; if the children do not all finish within
     ``timeout`` seconds, they are killed and ``TimeoutError`` is raised. ``gloo_timeout`` bounds each
-    collective, so a rank stuck waiting for a dead peer errors out as well.
+    collective, so a rank stuck waiting for a dead peer errors out as well. ``quiet`` silences
+    warnings and megatron/torch logging below ERROR in the children.
+
+    The children see no GPU (``CUDA_VISIBLE_DEVICES=""``) and get the caller's environment as of
+    this call (plus ``TORCH_GLOO_LAZY_INIT=1`` unless set).
+
+    ``start_method``: ``"forkserver"`` (default) starts the children from a clean single-threaded
+    server process (itself started like ``spawn``) that has imported torch and megatron.core once
+    (``set_forkserver_preload``): a 4-rank launch costs ~6 s the first time in a process and <1 s
+    after, against ~20 s with ``"spawn"``, which re-imports megatron.core (~7 CPU-s) in every child.
+    Children never share state with the caller in either mode.
     """
     import torch.multiprocessing as mp
 
+    if start_method == "forkserver":  # no effect once this process's forkserver is running
+        mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
     tmp = tempfile.mkdtemp(prefix="mcore_cpu_spawn_")
     init_file = os.path.join(tmp, "rendezvous")
-    old_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # CPU-only children: GPUs hidden (also from a forkserver started now), gloo on loopback
+    child_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo")
     try:
-        ctx = mp.start_processes(_spawn_worker,
-                                 args=(fn, world_size, init_file, tmp, gloo_timeout, tuple(args)),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        with _temporary_env(CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo"):
+            ctx = mp.start_processes(
+                _spawn_worker,
+                args=(fn, world_size, init_file, tmp, gloo_timeout, quiet, child_env, tuple(args)),
+                nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic())), grace_period=2.0):
@@ -639,23 +736,32 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0,
                     alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
                     raise TimeoutError(f"spawn({getattr(fn, '__name__', fn)}, {world_size}): ranks "
                                        f"{alive} still running after {timeout:.0f} s; killed")
-        except mp.ProcessRaisedException as e:
-            raise RuntimeError(f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size}): child "
-                               f"rank {e.error_index} failed:\n{e}") from None
-        except mp.ProcessExitedException as e:
-            raise RuntimeError(f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size}): child "
-                               f"rank {e.error_index} exited with code {e.exit_code}: {e}") from None
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            raise RuntimeError(_failure_report(fn, world_size, tmp, e)) from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
             for p in ctx.processes:
                 p.join(5)
+            for path in ctx.error_files:  # torch's per-child error files (written on failure only)
+                if path and os.path.exists(path):
+                    os.unlink(path)
         return [torch.load(os.path.join(tmp, f"result_{r}.pt"), weights_only=False)
                 for r in range(world_size)]
     finally:
-        if old_ifname is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = old_ifname
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _temporary_env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
