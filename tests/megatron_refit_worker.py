@@ -171,3 +171,47 @@ def dtensor_export(rank: int, world: int, cases: list) -> list:
         mcore_cpu.destroy_megatron()
         dist.barrier()
     return out
+
+
+def hf_dims(chunks) -> dict:
+    """The HF-named dims of a live tiny model (what megatron_spec.megatron_layout takes)."""
+    cfg = chunks[0].config
+    out = {"hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+           "vocab_size": chunks[0].vocab_size, "intermediate_size": cfg.ffn_hidden_size,
+           "tie_word_embeddings": chunks[0].share_embeddings_and_output_weights}
+    if getattr(cfg, "multi_latent_attention", False):
+        out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
+                   qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+                   num_nextn_predict_layers=cfg.mtp_num_layers or 0, n_shared_experts=1, first_k_dense_replace=1)
+    else:
+        out.update(num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels)
+    if cfg.num_moe_experts:
+        out.update(n_routed_experts=cfg.num_moe_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size)
+    return out
+
+
+def spec_vs_live(rank: int, world: int, cases: list) -> list:
+    """This rank's canonical layout read from a live model vs built from dims and sizes."""
+    from mcore_reshard.family import canonicalize, load_family
+    from mcore_reshard.megatron_model import family_for, model_config, read_layout
+    from mcore_reshard.megatron_spec import ParallelSizes, megatron_layout
+    mcore_cpu.install_cpu_shims()
+    out = []
+    for case in cases:
+        chunks = _build(case["model"], case["src"], torch.float32, case.get("kw", {}))
+        config = model_config(chunks)
+        family = family_for(config)
+        live = canonicalize(read_layout(chunks, rank)[0], load_family(family), config)
+        s = case["src"]
+        sizes = ParallelSizes(tp=s.get("tp", 1), pp=s.get("pp", 1), ep=s.get("ep", 1), etp=s.get("etp"),
+                              vpp=s.get("vpp", 1), dp=world // (s.get("tp", 1) * s.get("pp", 1)),
+                              first_stage_layers=s.get("first_stage_layers"))
+        spec = megatron_layout(hf_dims(chunks), sizes, family)
+        a = live.to_json()["buffers"].get(str(rank), [])
+        b = spec.to_json()["buffers"].get(str(rank), [])
+        diff = sorted({x["name"] for x in a if x not in b} | {x["name"] for x in b if x not in a})
+        live_t, spec_t = live.to_json()["tensors"], spec.to_json()["tensors"]
+        out.append({"buffers": len(a), "diff": diff[:10], "live_tensors": sorted(live_t),
+                    "spec_tensors": sorted(spec_t), "metas_agree": all(spec_t.get(n) == m for n, m in live_t.items())})
+        mcore_cpu.destroy_megatron()
+    return out
