@@ -27,7 +27,7 @@ def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_layout(model: torch.nn.Module, rank: int, skip: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> tuple[Layout, dict]:
+def read_hf_layout(model: torch.nn.Module, rank: int, skip: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> tuple[Layout, dict]:
     """This rank's layout of a whole HF model (canonical names) and its tensors."""
     lay, tensors = Layout(), {}
     for name, t in sorted(module_tensors(model).items()):

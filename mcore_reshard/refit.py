@@ -16,7 +16,7 @@ Disaggregated: training ranks pass ``dst_chunks=[]``, inference ranks ``src_chun
 
 Any other target (Hugging Face, vLLM, SGLang) is passed as ``target=(layout, tensors)``: this
 rank's part of the target layout in canonical names and its real tensors, e.g.
-``hf_model.hf_layout(hf_model, rank)``.  Source tensors the target does not hold (the MTP layer
+``hf_model.read_hf_layout(hf_model, rank)``.  Source tensors the target does not hold (the MTP layer
 for a transformers model) are dropped only with ``ignore_unused=True`` and listed in
 ``plan.stats["unused_tensors"]``.
 """
@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .executor import ReshardError, Resharder, all_gather_json
+from .executor import ReshardError, Resharder, agree, all_gather_json
 from .family import canonicalize, load_family
 from .layout import Layout
 from .megatron_model import family_for, model_config, read_layout
@@ -61,13 +61,22 @@ def _one_config(configs: list[dict], side: str) -> dict:
     return seen[0]
 
 
+def config_diff(src_cfg: dict, dst_cfg: dict) -> str | None:
+    """The architecture facts (``ARCH_KEYS``) on which two model configs disagree, as
+    ``"hidden_size=64/128, num_moe_experts=8/16"`` (source/destination), or None."""
+    diff = {k: (src_cfg.get(k), dst_cfg.get(k)) for k in ARCH_KEYS if src_cfg.get(k) != dst_cfg.get(k)}
+    if not diff:
+        return None
+    return ", ".join(f"{k}={a}/{b}" for k, (a, b) in sorted(diff.items()))
+
+
 class MegatronRefit:
     """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks."""
 
     def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, verify: bool = False):
         rank = dist.get_rank(group)
         payload, src_t, dst_t = {"error": None}, {}, {}
         try:
@@ -79,30 +88,41 @@ class MegatronRefit:
                            src_cfg=model_config(src_chunks), dst_cfg=model_config(dst_chunks))
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             payload["error"] = f"rank {rank}: {type(e).__name__}: {e}"
-        parts = all_gather_json(payload, group)
+        parts = all_gather_json(payload, group, timeout=timeout)
         errors = [p["error"] for p in parts if p["error"]]
         if errors:
             raise ReshardError("reading the models failed: " + " | ".join(errors))
-        src_cfg = _one_config([p["src_cfg"] for p in parts], "source")
-        dst_cfg = _one_config([p["dst_cfg"] for p in parts], "destination")
-        canonical_dst = any(p["canonical_dst"] for p in parts)
-        if canonical_dst:
-            dst_cfg = src_cfg   # a non-Megatron target: its shapes are checked tensor by tensor by the planner
-        diff = {k: (src_cfg.get(k), dst_cfg.get(k)) for k in ARCH_KEYS if src_cfg.get(k) != dst_cfg.get(k)}
-        if diff:
-            raise ReshardError("source and destination models differ (source, destination): "
-                               + ", ".join(f"{k}={a}/{b}" for k, (a, b) in sorted(diff.items())))
-        config = dict(src_cfg)
-        if vocab_size is not None:
-            config["vocab_size"] = vocab_size
-        self.family = load_family(family_for(config) if family == "auto" else family)
-        src = _merge([p["src"] for p in parts])
-        dst = _merge([p["dst"] for p in parts])
-        self.src_layout = canonicalize(src, self.family, config)
-        self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
-        self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
-                              ignore_unused=ignore_unused)
-        self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout)
+        # Everything below is deterministic given the gathered parts, but any failure is still
+        # exchanged (agree) so that no rank can be left waiting in the Resharder's handshake.
+        try:
+            src_cfg = _one_config([p["src_cfg"] for p in parts], "source")
+            dst_cfg = _one_config([p["dst_cfg"] for p in parts], "destination")
+            canonical_dst = any(p["canonical_dst"] for p in parts)
+            if canonical_dst:
+                dst_cfg = src_cfg   # a non-Megatron target: its shapes are checked tensor by tensor by the planner
+            diff = config_diff(src_cfg, dst_cfg)
+            if diff:
+                raise ReshardError("source and destination models differ (source/destination): " + diff)
+            config = dict(src_cfg)
+            if vocab_size is not None:
+                config["vocab_size"] = vocab_size
+            self.family = load_family(family_for(config) if family == "auto" else family)
+            src = _merge([p["src"] for p in parts])
+            dst = _merge([p["dst"] for p in parts])
+            self.src_layout = canonicalize(src, self.family, config)
+            self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
+            self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
+                                  ignore_unused=ignore_unused)
+        except Exception as e:  # noqa: BLE001 - every rank must hear about it
+            agree(group, "00" * 32, [f"{type(e).__name__}: {e}"], timeout=timeout)
+            raise  # unreachable: agree raises on every rank
+        self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
 
-    def refit(self) -> dict:
-        return self.resharder.refit()
+    def refit(self, version: int | None = None) -> dict:
+        return self.resharder.refit(version)
+
+    def state(self) -> dict:
+        return self.resharder.state()
+
+    def rebind(self, group=None) -> None:
+        self.resharder.rebind(group)

@@ -76,7 +76,7 @@ def megatron_to_hf_digests(ref: dict) -> dict:
 
 
 def hf_scenarios(rank: int, world: int, cases: list) -> list:
-    from mcore_reshard.hf_model import hf_layout
+    from mcore_reshard.hf_model import read_hf_layout
     from mcore_reshard.refit import MegatronRefit
     from transformers import DeepseekV3ForCausalLM
     mcore_cpu.install_cpu_shims()
@@ -99,7 +99,7 @@ def hf_scenarios(rank: int, world: int, cases: list) -> list:
             model = DeepseekV3ForCausalLM(hf_config(chunks[0].config, chunks[0].vocab_size)).to(dtype).eval()
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
-            target = hf_layout(model, rank)
+            target = read_hf_layout(model, rank)
         else:
             from mcore_reshard.layout import Layout
             target = (Layout(), {})
