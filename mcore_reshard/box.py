@@ -27,7 +27,7 @@ class Box:
     def __post_init__(self):
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
-        if any(s < 0 for s in self.sizes) or any(o < 0 for o in self.offsets):
+        if self.sizes and (min(self.sizes) < 0 or min(self.offsets) < 0):
             raise ValueError(f"box with negative offset or size: {self}")
 
     @staticmethod
@@ -60,8 +60,10 @@ class Box:
         return Box(tuple(offs), tuple(sizes))
 
     def contains(self, other: "Box") -> bool:
-        return all(a <= b and b + sb <= a + sa
-                   for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+        for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            if b < a or b + sb > a + sa:
+                return False
+        return True
 
     def relative_to(self, outer: "Box") -> "Box":
         """This box in the coordinates of ``outer`` (which must contain it)."""

@@ -40,6 +40,15 @@ def itemsize(dtype: str) -> int:
         raise LayoutError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}") from None
 
 
+def _inside(box: Box, shape: Sequence[int]) -> bool:
+    if len(box.offsets) != len(shape):
+        return False
+    for o, s, n in zip(box.offsets, box.sizes, shape):
+        if o + s > n:
+            return False
+    return True
+
+
 def _squeezed(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(s for s in sizes if s != 1)
 
@@ -63,6 +72,8 @@ class Piece:
     local: Box
 
     def __post_init__(self):
+        if self.box.sizes == self.local.sizes:
+            return
         if self.box.numel != self.local.numel or _squeezed(self.box.sizes) != _squeezed(self.local.sizes):
             raise LayoutError(f"piece of {self.tensor}: global box {self.box} and local box {self.local} differ in shape")
 
@@ -185,10 +196,12 @@ class Layout:
                 raise LayoutError(f"rank {rank} buffer {buf.name}: piece of undeclared tensor {p.tensor}")
             if meta.dtype != buf.dtype:
                 raise LayoutError(f"rank {rank} buffer {buf.name} is {buf.dtype} but holds {p.tensor} of dtype {meta.dtype}")
-            if p.box.ndim != len(meta.shape) or not Box.full(meta.shape).contains(p.box):
+            if not _inside(p.box, meta.shape):
                 raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
-            if p.local.ndim != len(buf.shape) or not Box.full(buf.shape).contains(p.local):
+            if not _inside(p.local, buf.shape):
                 raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
+        if len(buf.pieces) < 2:
+            return
         ps = sorted(buf.pieces, key=lambda p: p.local)
         for i, a in enumerate(ps):
             for b in ps[i + 1:]:
