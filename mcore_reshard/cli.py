@@ -13,11 +13,21 @@ Reshard live Megatron-Core weights shard to shard between parallel layouts.
   demo   launch local gloo processes, reshard a synthetic model (fused QKV, [gate; up], experts,
          vocab padding, an uneven tensor) from one layout to another, check every destination
          tensor bit for bit, and print bytes moved vs the lower bound, messages and time.
-  plan   compute the same plan without moving anything and print or save it (JSON).
+  plan     plan a refit without moving anything: bytes vs the lower bound vs gather+broadcast,
+           per-rank load, messages, rounds, staging; write the plan as JSON.
+  explain  for one tensor: which rank sends which region to which rank.
 
-Layouts are short strings of parallel sizes: "tp=2,pp=2,ep=2,etp=1,dp=1".  Missing sizes are 1;
-etp defaults to tp.  World size of a layout = tp * pp * cp * dp.
+Layout strings (see docs/layout-strings.md):
+  tp=2,pp=16,ep=64  or  megatron:tp=2,pp=16,ep=64   Megatron-Core (keys tp pp cp ep etp dp vpp first last)
+  vllm:tp=8,dp=2,ep                                   vLLM (ep = enable_expert_parallel)
+  sglang:tp=16,dp=16,ep=16,dpattn                     SGLang (dpattn = DP attention)
+  hf                                                  Hugging Face, whole model on one rank
+The demo's synthetic model takes Megatron strings only: "tp=2,pp=2,ep=2,etp=1,dp=1".
 """
+
+PRESETS = {
+    "dsv3-671b": "dsv3_671b", "dsv3-tiny": "dsv3_tiny", "llama-tiny": "gqa_tiny", "qwen3-moe-tiny": "qwen3_moe_tiny",
+}
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -36,21 +46,96 @@ def _progress(msg: str) -> None:
     print(f"[mcore-reshard] {msg}", file=sys.stderr, flush=True)
 
 
-def cmd_plan(args) -> int:
-    from .demo import build_layouts
+def _model_config(args):
+    from . import targets
+    if args.config:
+        with open(args.config) as f:
+            return targets.from_hf_config(json.load(f))
+    return getattr(targets, PRESETS[args.model])()
+
+
+def _layouts(args):
+    """(source, destination) layouts for the plan/explain commands."""
+    if args.model == "synthetic" and not args.config:
+        from .demo import build_layouts
+        return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
+    from . import layout_strings
+    cfg = _model_config(args)
+    src_spec, dst_spec = layout_strings.parse(args.src), layout_strings.parse(args.dst)
+    if src_spec.engine != "megatron":
+        raise SystemExit(f"error: the source must be a Megatron layout, got {args.src!r}")
+    _progress(f"building layouts for {args.model if not args.config else args.config} ...")
+    src = layout_strings.build(src_spec, cfg, 0, args.dtype)
+    offset = 0 if args.colocated else src_spec.world()
+    dst = layout_strings.build(dst_spec, cfg, offset, args.dst_dtype or args.dtype)
+    return src, dst
+
+
+def _gather_broadcast_bytes(plan) -> int:
+    """What a Bridge-style export moves: every destination rank receives whole tensors for each
+    tensor it holds a piece of (after a gather on the source side, not counted)."""
+    need: dict[int, set] = {}
+    for c in list(plan.local_copies) + [c for m in plan.messages for c in m.entries]:
+        need.setdefault(c.dst, set()).add(c.tensor)
+    from .layout import itemsize
+    total = 0
+    for r, names in need.items():
+        for n in names:
+            meta = plan.tensors[n]
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            total += numel * itemsize(meta["src_dtype"])
+    return total
+
+
+def _plan(args):
     from .planner import make_plan
+    src, dst = _layouts(args)
+    _progress(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks ...")
     t0 = time.perf_counter()
-    src, dst = build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
     plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
-                     allow_cast=args.dst_dtype not in (None, args.dtype))
+                     allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True)
+    return src, dst, plan, time.perf_counter() - t0
+
+
+def cmd_plan(args) -> int:
+    src, dst, plan, seconds = _plan(args)
+    s = plan.stats
     print(f"source {args.src} ({len(src.ranks)} ranks) -> destination {args.dst} ({len(dst.ranks)} ranks, "
           f"{'colocated' if args.colocated else 'disaggregated'})")
     print(plan.summary())
-    print(f"plan hash          {plan.hash[:16]}  built in {time.perf_counter() - t0:.3f} s")
+    gb = _gather_broadcast_bytes(plan)
+    print(f"gather+broadcast   {gb:,} B to destinations ({gb / max(1, s['network_bytes'] + s['local_bytes']):.2f}x this plan's bytes)")
+    n = max(1, len(plan.ranks))
+    print(f"mean sent / rank   {s['network_bytes'] / n:,.0f}  mean received / rank {s['network_bytes'] / n:,.0f}")
+    if s.get("unused_tensors"):
+        print(f"not in target      {len(s['unused_tensors'])} source tensors (e.g. {s['unused_tensors'][0]})")
+    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s")
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.dumps())
         print(f"plan written to {args.out}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    _, _, plan, _ = _plan(args)
+    if args.name not in plan.tensors:
+        close = [n for n in plan.tensors if args.name in n][:10]
+        print(f"error: no tensor {args.name!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""), file=sys.stderr)
+        return 2
+    meta = plan.tensors[args.name]
+    print(f"{args.name}  shape {meta['shape']}  {meta['src_dtype']} -> {meta['dst_dtype']}")
+    print(f"{'kind':5} {'round':>5} {'from':>5} -> {'to':<5} {'global box':28} {'source buffer[local]':48} {'destination buffer[local]':48} {'bytes':>10}")
+    rows = [("local", "-", c) for c in plan.local_copies if c.tensor == args.name]
+    rows += [("send", str(m.round), c) for m in plan.messages for c in m.entries if c.tensor == args.name]
+    for kind, rnd, c in sorted(rows, key=lambda x: (x[2].dst, x[2].box)):
+        print(f"{kind:5} {rnd:>5} {c.src:>5} -> {c.dst:<5} {str(c.box):28} {c.src_buffer + str(c.src_local):48} "
+              f"{c.dst_buffer + str(c.dst_local):48} {c.nbytes:>10,}")
+    pads = [(r, b, box) for r, b, box in plan.padding]
+    if pads:
+        print(f"({len(pads)} padding region(s) in destination buffers are zero-filled)")
     return 0
 
 
@@ -95,10 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default: 600)")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("plan", help="compute and summarise the plan only (no processes, no data)")
-    _add_layout_args(p)
-    p.add_argument("--out", help="write the plan as JSON to this file")
-    p.set_defaults(func=cmd_plan)
+    for name, func, text in (("plan", cmd_plan, "compute and summarise a plan (no processes, no data)"),
+                             ("explain", cmd_explain, "show how one tensor moves: ranks, regions, bytes")):
+        p = sub.add_parser(name, help=text)
+        if name == "explain":
+            p.add_argument("name", help="canonical (Hugging Face) tensor name, e.g. model.layers.3.mlp.experts.gate_up_proj")
+        _add_layout_args(p)
+        p.add_argument("--model", default="synthetic", choices=["synthetic"] + sorted(PRESETS),
+                       help="model preset (default: the demo's synthetic model)")
+        p.add_argument("--config", help="a Hugging Face config.json instead of a preset")
+        if name == "plan":
+            p.add_argument("--out", help="write the plan as JSON to this file")
+        p.set_defaults(func=func)
     args = parser.parse_args(argv)
     return args.func(args)
 

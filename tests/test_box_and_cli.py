@@ -73,3 +73,31 @@ def test_cli_plan_writes_json(tmp_path, capsys):
     plan = json.loads(path.read_text())
     assert plan["stats"]["network_bytes"] == plan["stats"]["lower_bound_bytes"]
     assert f"bytes over network {plan['stats']['network_bytes']:,}" in text
+
+
+def test_cli_plan_presets_and_engines(capsys):
+    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2,dp=2,ep", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "4 ranks) -> destination vllm:tp=2,dp=2,ep (4 ranks, disaggregated)" in out
+    assert "not in target      20 source tensors" in out      # the MTP layer: no draft model requested
+    assert main(["explain", "model.layers.1.mlp.gate.e_score_correction_bias", "--model", "dsv3-tiny",
+                 "--src", "tp=2,ep=2,etp=1", "--dst", "sglang:tp=2,dp=2,ep=2,dpattn", "--colocated"]) == 0
+    out = capsys.readouterr().out
+    # replicated fp32 bias, 8 elements: one local copy on each of the 2 SGLang ranks, nothing sent
+    assert "shape [8]  float32 -> float32" in out and out.count("local ") == 2 and "send" not in out
+    assert main(["explain", "nope", "--model", "dsv3-tiny", "--src", "tp=2", "--dst", "hf"]) == 2
+
+
+def test_layout_strings():
+    from mcore_reshard import layout_strings
+    spec = layout_strings.parse("tp=2,pp=16,ep=64")
+    # etp defaults to tp: etp*ep*pp = 2048 ranks, so dp is made 64 to fit the experts
+    assert spec.engine == "megatron" and layout_strings.megatron_sizes(spec).dp == 64
+    assert spec.world() == 2 * 16 * 64
+    assert layout_strings.parse("sglang:tp=16,dp=16,ep=16,dpattn").sizes == {"tp": 16, "dp": 16, "ep": 16, "dpattn": 1}
+    assert layout_strings.parse("hf").world() == 1
+    import pytest
+    with pytest.raises(ValueError, match="unknown engine 'trt'"):
+        layout_strings.parse("trt:tp=2")
+    with pytest.raises(ValueError, match="bad size 'tp=0'"):
+        layout_strings.parse("vllm:tp=0")
