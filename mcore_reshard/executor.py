@@ -5,9 +5,19 @@
 buffer per message and exchanged with ``batch_isend_irecv`` round by round, unpacked with
 ``copy_`` into the existing destination storage (addresses never change).
 
-Construction is collective over ``group``: every rank checks its tensors against the plan, then
-all ranks exchange (plan hash, ok flag, error text) so that any mismatch makes *every* rank raise
-the same :class:`ReshardError` before a byte moves, instead of leaving peers waiting.
+Construction is collective over ``group``: every rank checks its tensors and its part of the plan
+(:func:`mcore_reshard.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
+error text) so that any mismatch makes *every* rank raise the same :class:`ReshardError` before a
+byte moves, instead of leaving peers waiting.
+
+Failures during a transfer (a peer that dies, stalls or drops the connection) raise
+:class:`TransferError` naming the refit version, the round and the peers, within ``timeout``
+seconds of the round's start on the ranks that wait for the missing peer (gloo's ``wait(timeout)``
+then closes the pairs, so their own peers fail at once).  The destination side records which
+refit version every buffer fully holds (:meth:`Resharder.state`); an interrupted refit is reported
+there, and the next ``refit()`` (after :meth:`Resharder.rebind` to a fresh group when the old one is
+broken) rewrites every buffer.  ``verify=True`` sends a checksum of every copied box with its
+message and checks the received and unpacked bytes against it.
 
 Example (4 ranks, colocated): every rank builds the same plan from the same layouts, then::
 
@@ -15,18 +25,21 @@ Example (4 ranks, colocated): every rank builds the same plan from the same layo
     0    | {"w": w_tp0}              | {"w": w_full}
     1    | {"w": w_tp1}              | {}
     r = Resharder(plan, src, dst, group); r.refit()   # on every rank, after each training step
+    r.state()  # {"version": 1, "interrupted": False, "buffers": {"w": 1}, ...} on rank 0
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from .planner import Plan
+from .planner import Plan, validate_plan
 
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -34,6 +47,10 @@ _DTYPES = {
     "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 _MSG_BYTES = 1024
+_OPT_BYTES = 64
+_CS_BYTES = 16          # per-entry checksum trailer in verify mode: two int64
+_CS_CHUNK = 1 << 20     # bytes per checksum chunk (bounds the temporary memory of verify mode)
+_CS_MOD = 65521
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -48,10 +65,24 @@ class ReshardError(RuntimeError):
     """Raised on every rank together when any rank finds the plan or its tensors inconsistent."""
 
 
+class TransferError(ReshardError):
+    """A refit failed while moving bytes (peer died or stalled, connection closed, checksum
+    mismatch).  ``version``, ``round`` (1-based, 0 for the local/confirm stages) and ``peers`` say
+    where; the destination buffers it left incomplete are listed by :meth:`Resharder.state`."""
+
+    def __init__(self, message: str, *, version: int, round: int | None = None, peers: list[int] | None = None):
+        super().__init__(message)
+        self.version = version
+        self.round = round
+        self.peers = list(peers or [])
+
+
 @dataclass
 class _Round:
-    sends: list   # (peer, staging slice, [(staging view, src view)])
-    recvs: list   # (peer, staging slice, [(staging view, dst view)])
+    sends: list   # (peer, staging slice, [(staging view, src view)], message)
+    recvs: list   # (peer, staging slice, [(staging view, dst view)], message)
+    send_peers: list = field(default_factory=list)
+    recv_peers: list = field(default_factory=list)
 
 
 def _check_tensors(plan: Plan, rank: int, side: str, tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -61,40 +92,152 @@ def _check_tensors(plan: Plan, rank: int, side: str, tensors: Mapping[str, torch
         t = tensors.get(name)
         if t is None:
             errors.append(f"rank {rank}: {side} tensor {name} {shape} {dtype} is missing")
+        elif not isinstance(t, torch.Tensor):
+            errors.append(f"rank {rank}: {side} tensor {name} is a {type(t).__name__}, not a torch.Tensor")
         elif list(t.shape) != list(shape) or dtype_name(t.dtype) != dtype:
             errors.append(f"rank {rank}: {side} tensor {name} is {list(t.shape)} {dtype_name(t.dtype)}, plan says {shape} {dtype}")
         elif side == "dst" and not t.is_contiguous():
             errors.append(f"rank {rank}: dst tensor {name} is not contiguous")
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        errors.append(f"rank {rank}: {len(extra)} {side} tensor(s) the plan does not have on this rank: "
+                      + ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
+                      + (" (a destination tensor the plan never writes would silently keep old weights)" if side == "dst" else ""))
     return errors
 
 
-def agree(group, digest: str, errors: list[str]) -> None:
-    """Collective: exchange plan digest and local errors; raise on every rank if any disagree."""
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory a tensor view can touch."""
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> list[str]:
+    """A destination tensor that shares memory with a source tensor (or another destination
+    tensor) would overwrite the source weights or receive two writers."""
+    spans = []
+    for side, tensors in (("src", src), ("dst", dst)):
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.numel():
+                lo, hi = _span(t)
+                spans.append((t.device.type, t.device.index, lo, hi, side, name))
+    spans.sort()
+    errors = []
+    for i, a in enumerate(spans):
+        for b in spans[i + 1:]:
+            if b[:2] != a[:2] or b[2] >= a[3]:
+                break
+            if "dst" in (a[4], b[4]):
+                x, y = sorted([a, b], key=lambda t: (t[4] != "src", t[5]))
+                errors.append(f"rank {rank}: {x[4]} tensor {x[5]} and {y[4]} tensor {y[5]} share memory; a refit would "
+                              + ("overwrite the source weights" if x[4] == "src" else "write both"))
+        if len(errors) >= 8:
+            break
+    return errors
+
+
+def _group_ranks_hint(world: int) -> str:
+    return f"0..{world - 1}" if world else "none"
+
+
+def _bounded_wait(work, timeout: float | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+
+
+# control messages (handshake, retry handshake, confirmation) share one fixed size and carry their
+# kind, so ranks at different protocol steps are detected instead of exchanging mismatched bytes
+_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation"}
+_C_KIND, _C_OK, _C_VER, _C_DIGEST, _C_OPT, _C_TEXT = 0, 1, 2, 10, 42, 42 + _OPT_BYTES
+_C_SIZE = _C_TEXT + _MSG_BYTES
+
+
+def _put(payload: torch.Tensor, at: int, data: bytes, limit: int) -> None:
+    data = data[:limit]
+    if data:
+        payload[at:at + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool = True, options: str = "",
+              text: str = "", timeout: float | None = None) -> list[dict]:
+    """All-gather one fixed-size control message per rank (tensors, never pickle)."""
     world = dist.get_world_size(group)
-    payload = torch.zeros(32 + 1 + _MSG_BYTES, dtype=torch.uint8)
-    payload[:32] = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
-    if errors:
-        text = "; ".join(errors).encode()[:_MSG_BYTES]
-        payload[32] = 1
-        payload[33:33 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    device = _group_device(group)
-    payload = payload.to(device)
+    payload = torch.zeros(_C_SIZE, dtype=torch.uint8)
+    payload[_C_KIND] = kind
+    payload[_C_OK] = 1 if ok else 0
+    _put(payload, _C_VER, int(version).to_bytes(8, "little", signed=True), 8)
+    _put(payload, _C_DIGEST, bytes.fromhex(digest) if digest else b"", 32)
+    _put(payload, _C_OPT, options.encode(), _OPT_BYTES)
+    _put(payload, _C_TEXT, text.encode(), _MSG_BYTES)
+    payload = payload.to(_group_device(group))
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(gathered, payload, group=group)
-    gathered = [g.cpu() for g in gathered]
+    _bounded_wait(dist.all_gather(gathered, payload, group=group, async_op=True), timeout)
+    out = []
+    for g in gathered:
+        b = bytes(g.cpu().tolist())
+        out.append({"kind": b[_C_KIND], "ok": bool(b[_C_OK]),
+                    "version": int.from_bytes(b[_C_VER:_C_VER + 8], "little", signed=True),
+                    "digest": b[_C_DIGEST:_C_DIGEST + 32].hex(),
+                    "options": b[_C_OPT:_C_TEXT].rstrip(b"\0").decode(errors="replace"),
+                    "text": b[_C_TEXT:].rstrip(b"\0").decode(errors="replace")})
+    return out
+
+
+def _step_mismatch(msgs: list[dict], kind: int) -> str | None:
+    if all(m["kind"] == kind for m in msgs):
+        return None
+    by: dict[str, list[int]] = {}
+    for r, m in enumerate(msgs):
+        by.setdefault(f"{_KIND.get(m['kind'], 'unknown step %d' % m['kind'])} (refit {m['version']})", []).append(r)
+    return "ranks are at different protocol steps: " + "; ".join(f"ranks {rs} in {k}" for k, rs in sorted(by.items()))
+
+
+def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: float | None = None,
+          kind: int = 1, version: int = 0) -> None:
+    """Collective: exchange plan digest, options and local errors; raise :class:`ReshardError` on
+    every rank if any rank reported an error or the digests or options differ.  Never pickles.
+    ``timeout`` bounds the wait (a rank that never joins makes the others raise after it)."""
+    rank = dist.get_rank(group)
+    t0 = time.monotonic()
+    try:
+        msgs = _exchange(group, kind, digest=digest, version=version, ok=not errors, options=options,
+                         text="; ".join(errors), timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a peer that died or never joined
+        raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank} after {time.monotonic() - t0:.1f} s "
+                           f"(a peer died, never joined, or the process group is broken): {type(e).__name__}: {e}"
+                           + (f" | this rank's own problems: {'; '.join(errors)}" if errors else "")) from e
     problems = []
-    hashes = [bytes(g[:32].tolist()).hex() for g in gathered]
+    step = _step_mismatch(msgs, kind)
+    if step:
+        problems.append(step)
+    hashes = [m["digest"] for m in msgs]
     if len(set(hashes)) > 1:
         by_hash: dict[str, list[int]] = {}
         for r, h in enumerate(hashes):
             by_hash.setdefault(h[:12], []).append(r)
         problems.append("plan hashes differ between ranks: " + "; ".join(f"{h} on ranks {rs}" for h, rs in sorted(by_hash.items())))
-    for r, g in enumerate(gathered):
-        if int(g[32]):
-            text = bytes(g[33:].tolist()).rstrip(b"\0").decode(errors="replace")
-            problems.append(text or f"rank {r} failed its checks")
+    opt_texts = [m["options"] for m in msgs]
+    if not step and len(set(opt_texts)) > 1:
+        by_opt: dict[str, list[int]] = {}
+        for r, o in enumerate(opt_texts):
+            by_opt.setdefault(o, []).append(r)
+        problems.append("options differ between ranks: " + "; ".join(f"{o or '(none)'} on ranks {rs}" for o, rs in sorted(by_opt.items())))
+    texts: dict[str, list[int]] = {}
+    for r, m in enumerate(msgs):
+        if not m["ok"]:
+            texts.setdefault(m["text"] or f"rank {r} failed its checks", []).append(r)
+    for text, rs in texts.items():
+        problems.append(text if len(rs) == 1 or text.startswith("rank ") else f"ranks {rs}: {text}")
+    versions = sorted({m["version"] for m in msgs})
+    if kind == 2 and not step and len(versions) > 1:
+        problems.append(f"ranks retry different refit versions {versions}")
     if problems:
-        raise ReshardError("reshard refused before any transfer: " + " | ".join(problems))
+        head = "reshard refused before any transfer: " if kind == 1 else f"refit {version} retry refused: "
+        raise ReshardError(head + " | ".join(problems))
 
 
 def _group_device(group) -> torch.device:
@@ -104,32 +247,94 @@ def _group_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums over the bytes of ``t`` (row-major): plain, and weighted by position (so
+    swapped or shifted bytes are caught).  On ``t``'s device; temporaries <= 16 MiB."""
+    b = t.detach().reshape(-1)
+    if not b.is_contiguous():
+        b = b.contiguous()
+    b = b.view(torch.uint8)
+    out = torch.zeros(2, dtype=torch.int64, device=b.device)
+    for lo in range(0, b.numel(), _CS_CHUNK):
+        x = b[lo:lo + _CS_CHUNK].to(torch.int64)
+        w = torch.arange(lo, lo + x.numel(), dtype=torch.int64, device=b.device).remainder_(_CS_MOD).add_(1)
+        out[0] += x.sum()
+        out[1] += (x * w).sum()
+    return out
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e)
+    return "imed out" in text or "timeout caused" in text
+
+
+def _is_closed(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("closed", "reset by peer", "broken pipe", "connection refused"))
+
+
 class Resharder:
     """Binds ``plan`` to this rank's tensors; ``refit()`` moves the weights (collective).
 
     ``src``/``dst`` map buffer names to this rank's real tensors (a rank may have either, both or
-    none).  Source tensors are only read.  ``timeout`` bounds each round's wait.
+    none); they must be exactly the buffers the plan gives this rank.  Source tensors are only read
+    (a destination tensor sharing memory with a source is refused).  ``timeout`` (seconds) bounds
+    the handshake, every round and the final confirmation: a dead or stalled peer makes every rank
+    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout).
+    ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
+    must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
+    ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
+    the same everywhere).
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
-                 group=None, *, timeout: float | None = None):
+                 group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True):
         self.plan = plan
         self.group = group
         self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout_s = None if timeout is None else float(timeout)
         self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.verify = bool(verify)
+        self.confirm = bool(confirm)
         self.src = dict(src)
         self.dst = dict(dst)
-        errors = _check_tensors(plan, self.rank, "src", self.src) + _check_tensors(plan, self.rank, "dst", self.dst)
-        if dist.get_world_size(group) < len(plan.ranks) or (plan.ranks and max(plan.ranks) >= dist.get_world_size(group)):
-            errors.append(f"plan uses ranks {plan.ranks[0]}..{plan.ranks[-1]} but the group has {dist.get_world_size(group)} ranks")
-        agree(group, plan.hash, errors)
+        self.version = 0                   # last refit version confirmed complete
+        self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
+        self._interrupted: dict | None = None
+        self._needs_handshake = False
+        agree(group, plan.hash, self._validate(), options=self._options(), timeout=self.timeout_s)
         self._bind()
+
+    # ------------------------------------------------------------------ validation and binding
+
+    def _options(self) -> str:
+        return f"verify={int(self.verify)},confirm={int(self.confirm)}"
+
+    def _validate(self) -> list[str]:
+        try:
+            return self._checks()
+        except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
+            return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
+
+    def _checks(self) -> list[str]:
+        plan, r = self.plan, self.rank
+        errors = []
+        outside = [q for q in plan.ranks if not 0 <= q < self.world]
+        if outside:
+            errors.append(f"rank {r}: plan ranks {outside[:8]}{' ...' if len(outside) > 8 else ''} are outside the "
+                          f"process group of {self.world} rank(s) ({_group_ranks_hint(self.world)})")
+        errors += _check_tensors(plan, r, "src", self.src) + _check_tensors(plan, r, "dst", self.dst)
+        errors += _check_aliasing(r, self.src, self.dst)
+        errors += [f"rank {r}: plan is inconsistent: {p}" for p in validate_plan(plan, r, limit=5)]
+        return errors
 
     def _bind(self) -> None:
         r, plan = self.rank, self.plan
-        self.local = [(self.dst[c.dst_buffer][c.dst_local.slices()], self.src[c.src_buffer][c.src_local.slices()])
+        self.local = [(self.dst[c.dst_buffer][c.dst_local.slices()], self.src[c.src_buffer][c.src_local.slices()], c)
                       for c in plan.local_copies if c.dst == r]
-        self.padding = [self.dst[b][box.slices()] for rr, b, box in plan.padding if rr == r]
+        self.padding = [(self.dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == r]
+        trailer = _CS_BYTES if self.verify else 0
         send_size = recv_size = 0
         per_round: dict[int, tuple[list, list]] = {}
         for m in plan.messages:
@@ -138,28 +343,53 @@ class Resharder:
             if m.dst == r:
                 per_round.setdefault(m.round, ([], []))[1].append(m)
         for sends, recvs in per_round.values():
-            send_size = max(send_size, sum(m.nbytes for m in sends))
-            recv_size = max(recv_size, sum(m.nbytes for m in recvs))
+            send_size = max(send_size, sum(m.nbytes + trailer * len(m.entries) for m in sends))
+            recv_size = max(recv_size, sum(m.nbytes + trailer * len(m.entries) for m in recvs))
         device = self._device()
         self.send_staging = torch.empty(send_size, dtype=torch.uint8, device=device)
         self.recv_staging = torch.empty(recv_size, dtype=torch.uint8, device=device)
         self.rounds: list[_Round] = []
+        self.round_numbers: list[int] = []
+        # stage at which each destination buffer is first / last written (-1: local copies and padding)
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+
+        def touch(name: str, stage: int) -> None:
+            first.setdefault(name, stage)
+            last[name] = stage
+
+        for _, b in self.padding:
+            touch(b, -1)
+        for _, _, c in self.local:
+            touch(c.dst_buffer, -1)
         for k in sorted(per_round):
             sends, recvs = per_round[k]
             rnd = _Round([], [])
             base = 0
             for m in sends:
-                buf = self.send_staging[base:base + m.nbytes]
+                size = m.nbytes + trailer * len(m.entries)
+                buf = self.send_staging[base:base + size]
                 pairs = [(self._view(buf, c), self.src[c.src_buffer][c.src_local.slices()]) for c in m.entries]
-                rnd.sends.append((m.dst, buf, pairs))
-                base += m.nbytes
+                rnd.sends.append((m.dst, buf, pairs, m))
+                base += size
             base = 0
             for m in recvs:
-                buf = self.recv_staging[base:base + m.nbytes]
+                size = m.nbytes + trailer * len(m.entries)
+                buf = self.recv_staging[base:base + size]
                 pairs = [(self._view(buf, c), self.dst[c.dst_buffer][c.dst_local.slices()]) for c in m.entries]
-                rnd.recvs.append((m.src, buf, pairs))
-                base += m.nbytes
+                rnd.recvs.append((m.src, buf, pairs, m))
+                base += size
+                for c in m.entries:
+                    touch(c.dst_buffer, len(self.rounds))
+            rnd.send_peers = sorted({m.dst for m in sends})
+            rnd.recv_peers = sorted({m.src for m in recvs})
             self.rounds.append(rnd)
+            self.round_numbers.append(k)
+        for name in self._buffer_version:
+            if name not in first:
+                touch(name, -1)   # buffers nothing writes (empty) are complete after the local stage
+        self._first_stage = {s: sorted(n for n, f in first.items() if f == s) for s in set(first.values())}
+        self._last_stage = {s: sorted(n for n, l in last.items() if l == s) for s in set(last.values())}
 
     def _device(self) -> torch.device:
         for t in list(self.dst.values()) + list(self.src.values()):
@@ -174,46 +404,215 @@ class Resharder:
     def staging_bytes(self) -> int:
         return self.send_staging.numel() + self.recv_staging.numel()
 
-    def refit(self) -> dict:
-        """Move every byte of the plan once; returns counts (messages and bytes sent by this rank)."""
-        for view in self.padding:
+    def rebind(self, group=None) -> None:
+        """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke
+        the old one: gloo closes its pairs on a timeout; NCCL communicators must be aborted).
+        Re-runs the construction handshake; staging buffers, views and recorded versions stay."""
+        rank = dist.get_rank(group)
+        errors = []
+        if rank != self.rank:
+            errors.append(f"rank {rank}: this Resharder was bound as rank {self.rank} of its old group; "
+                          "the new group must keep every rank's number")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        errors = errors or self._validate()
+        agree(group, self.plan.hash, errors, options=self._options(), timeout=self.timeout_s)
+        self._needs_handshake = False
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict:
+        """What this rank's destination buffers hold (local, no communication)::
+
+            {"version": 3,                # last refit confirmed complete (0: none yet)
+             "interrupted": False,        # the last refit on this rank failed part-way
+             "interrupted_version": None, "failed_round": None, "error": None,
+             "buffers": {"w": 3, ...},    # refit version each destination buffer fully holds
+             "incomplete": []}            # buffers holding no complete version (None above)
+        """
+        info = self._interrupted or {}
+        return {
+            "version": self.version,
+            "interrupted": self._interrupted is not None,
+            "interrupted_version": info.get("version"),
+            "failed_round": info.get("round"),
+            "error": info.get("error"),
+            "buffers": dict(self._buffer_version),
+            "incomplete": sorted(n for n, v in self._buffer_version.items() if v is None),
+        }
+
+    # ------------------------------------------------------------------ refit
+
+    def _stage_begin(self, stage: int) -> None:
+        for name in self._first_stage.get(stage, ()):
+            self._buffer_version[name] = None
+
+    def _stage_end(self, stage: int, version: int) -> None:
+        for name in self._last_stage.get(stage, ()):
+            self._buffer_version[name] = version
+
+    def refit(self, version: int | None = None) -> dict:
+        """Move every byte of the plan once (collective); returns counts (messages and bytes sent by
+        this rank) and the version.
+
+        ``version`` labels what the destination now holds (e.g. the training step); default: last
+        completed version + 1, so a retry after an interrupted refit reuses the interrupted number.
+        After an interruption the next call first re-checks the group (a collective handshake) and
+        then rewrites every destination buffer; if the group is broken it raises at once: call
+        :meth:`rebind` with a fresh group, then ``refit()`` again.
+        """
+        v = self.version + 1 if version is None else int(version)
+        if self._needs_handshake and self.confirm:
+            try:
+                agree(self.group, self.plan.hash, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
+            except ReshardError as e:
+                raise ReshardError(f"rank {self.rank}: cannot retry refit {v}: {e} -- after an interrupted refit on a "
+                                   "broken process group, call rebind(new_group) on every rank first") from e
+            self._needs_handshake = False
+        problems: list[str] = []
+        try:
+            stats = self._transfer(v, problems)
+            if self.confirm:
+                self._confirm(v, problems)
+        except TransferError as e:
+            self._interrupted = {"version": v, "round": e.round, "error": str(e)}
+            self._needs_handshake = True
+            raise
+        except BaseException as e:  # noqa: BLE001 - anything else that stops a refit half-way
+            self._interrupted = {"version": v, "round": None, "error": f"{type(e).__name__}: {e}"}
+            self._needs_handshake = True
+            raise
+        self.version = v
+        self._interrupted = None
+        stats["version"] = v
+        return stats
+
+    def _transfer(self, v: int, problems: list[str]) -> dict:
+        self._stage_begin(-1)
+        for view, _ in self.padding:
             view.zero_()
-        for d, s in self.local:
+        bad_buffers = set()
+        for d, s, c in self.local:
             d.copy_(s.reshape(d.shape))
+            if self.verify and d.dtype == s.dtype and not torch.equal(_checksum(d), _checksum(s)):
+                problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
+                bad_buffers.add(c.dst_buffer)
+        self._stage_end(-1, v)
         sent = nmsg = 0
-        for rnd in self.rounds:
-            for _, _, pairs in rnd.sends:
-                for stage, s in pairs:
+        n = len(self.rounds)
+        for i, rnd in enumerate(self.rounds):
+            self._stage_begin(i)
+            for _, buf, pairs, m in rnd.sends:
+                for j, (stage, s) in enumerate(pairs):
                     stage.copy_(s)
-            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf, _ in rnd.sends]
-            ops += [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf, _ in rnd.recvs]
+                    if self.verify:
+                        buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(_checksum(s))
+            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf, _, _ in rnd.sends]
+            ops += [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf, _, _ in rnd.recvs]
+            labels = [f"sending to rank {peer}" for peer, *_ in rnd.sends] + [f"receiving from rank {peer}" for peer, *_ in rnd.recvs]
             if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    if self.timeout is None:
-                        work.wait()
-                    else:
-                        work.wait(self.timeout)
-            for _, _, pairs in rnd.recvs:
-                for stage, d in pairs:
+                t0 = time.monotonic()
+                try:
+                    works = dist.batch_isend_irecv(ops)
+                    if len(works) != len(ops):
+                        labels = ["exchanging with ranks " + ",".join(map(str, sorted(set(rnd.send_peers) | set(rnd.recv_peers))))] * len(works)
+                    deadline = None if self.timeout_s is None else t0 + self.timeout_s
+                    for work, label in zip(works, labels):
+                        try:
+                            _bounded_wait(work, None if deadline is None else deadline - time.monotonic())
+                        except Exception as e:  # noqa: BLE001
+                            raise self._round_error(v, i, rnd, label, e, time.monotonic() - t0) from e
+                except TransferError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - posting failed (peer gone before the round)
+                    raise self._round_error(v, i, rnd, "posting the round", e, time.monotonic() - t0) from e
+            for peer, buf, pairs, m in rnd.recvs:
+                for j, (stage, d) in enumerate(pairs):
+                    c = m.entries[j]
+                    if self.verify:
+                        want = buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64)
+                        if not torch.equal(_checksum(stage), want):
+                            problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} arrived with a "
+                                            f"different checksum than rank {peer} sent (buffer {c.dst_buffer})")
+                            bad_buffers.add(c.dst_buffer)
+                            continue
                     d.copy_(stage.reshape(d.shape))
+                    if self.verify and d.dtype == stage.dtype and not torch.equal(_checksum(d), _checksum(stage)):
+                        problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} differs from what "
+                                        f"arrived after unpacking into buffer {c.dst_buffer}")
+                        bad_buffers.add(c.dst_buffer)
+            self._stage_end(i, v)
             nmsg += len(rnd.sends)
-            sent += sum(b.numel() for _, b, _ in rnd.sends)
+            sent += sum(b.numel() for _, b, _, _ in rnd.sends)
+        for name in bad_buffers:
+            self._buffer_version[name] = None
+        if problems and not self.confirm:
+            raise TransferError(f"refit {v} on rank {self.rank} failed verification: " + "; ".join(problems[:8]), version=v)
         return {"messages_sent": nmsg, "staged_bytes_sent": sent}
 
+    def _round_error(self, v: int, i: int, rnd: _Round, label: str, e: BaseException, waited: float) -> TransferError:
+        peers = sorted(set(rnd.send_peers) | set(rnd.recv_peers))
+        if _is_timeout(e):
+            what = f"timed out after {waited:.1f} s (timeout {self.timeout_s} s) {label}"
+        elif _is_closed(e):
+            what = f"failed after {waited:.1f} s {label} (a peer died or closed its connection)"
+        else:
+            what = f"failed after {waited:.1f} s {label}"
+        return TransferError(
+            f"refit {v}: round {i + 1}/{len(self.rounds)} of this rank (plan round {self.round_numbers[i]}) on rank "
+            f"{self.rank} {what}; this round sends to ranks {rnd.send_peers} and receives from ranks {rnd.recv_peers}; "
+            f"destination buffers incomplete here: {sum(1 for x in self._buffer_version.values() if x is None)}; "
+            f"cause: {type(e).__name__}: {str(e)[:300]}", version=v, round=i + 1, peers=peers)
 
-def all_gather_json(obj, group=None) -> list:
+    def _confirm(self, v: int, problems: list[str]) -> None:
+        """Every rank reports (version, ok); raise unless every rank landed this version."""
+        t0 = time.monotonic()
+        try:
+            msgs = _exchange(self.group, 3, digest=self.plan.hash, version=v, ok=not problems,
+                             text="; ".join(problems[:8]), timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(
+                f"refit {v}: rank {self.rank} finished its rounds but the final confirmation failed after "
+                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): another rank died or stopped part-way; "
+                f"{'this rank: ' + '; '.join(problems[:4]) + '; ' if problems else ''}cause: {type(e).__name__}: {str(e)[:300]}",
+                version=v, round=0) from e
+        step = _step_mismatch(msgs, 3)
+        failed = [r for r, m in enumerate(msgs) if not m["ok"]]
+        versions = sorted({m["version"] for m in msgs})
+        if step or failed or len(versions) > 1:
+            text = f"refit {v} did not complete everywhere (rank {self.rank}):"
+            if step:
+                text += " " + step
+            elif failed:
+                text += " " + "; ".join(f"rank {r}: {msgs[r]['text']}" for r in failed)
+            if not step and len(versions) > 1:
+                text += f" ranks refit different versions {versions}"
+            raise TransferError(text, version=v, round=0, peers=failed)
+
+
+def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     """Every rank's JSON-able ``obj``, in rank order (metadata exchange; never pickle)."""
     data = json.dumps(obj, sort_keys=True).encode()
     device = _group_device(group)
     world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    _bounded_wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout)
     longest = max(int(s) for s in sizes)
     buf = torch.zeros(longest, dtype=torch.uint8)
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buf = buf.to(device)
     out = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(out, buf, group=group)
+    _bounded_wait(dist.all_gather(out, buf, group=group, async_op=True), timeout)
     return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
+
+
+def digest_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 (first 24 hex digits) of every tensor's bytes: to show in tests and tools that a
+    refit left its source weights untouched."""
+    out = {}
+    for name, t in sorted(tensors.items()):
+        b = t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        out[name] = hashlib.sha256(b).hexdigest()[:24]
+    return out

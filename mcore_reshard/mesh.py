@@ -141,13 +141,24 @@ def megatron_meshes(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: 
     """Meshes equal to ``megatron.core.parallel_state.initialize_model_parallel`` for these sizes.
 
     ``etp`` defaults to ``tp`` (Megatron's ``expert_tensor_parallel_size=None``).
-    Raises ValueError naming the sizes when they do not divide ``world_size``.
+    Raises ValueError, naming the sizes and the order, for every config Megatron-Core rejects:
+    sizes that do not divide ``world_size``; an order string with an unknown or repeated token, or
+    missing an axis whose size is > 1 (axes of size 1 may be left out; they are appended);
+    pp > 1 with an order not ending in ``pp`` while the dense and expert data-parallel sizes differ;
+    dense and expert pipeline groups that differ (e.g. ``tp=2, pp=2, ep=2, etp=1`` with
+    ``order="tp-pp-cp-ep-dp"``: the layers of one pipeline stage would live on different ranks).
     """
     etp = tp if etp is None else etp
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp)):
+        if int(size) < 1:
+            raise ValueError(f"parallel size {name}={size} must be >= 1")
     tokens = order.lower().split("-")
-    for t in ("tp", "cp", "ep", "dp", "pp"):
-        if t not in tokens:
-            tokens.append(t)
+    known = ("tp", "cp", "ep", "dp", "pp")
+    bad = [t for t in tokens if t not in known]
+    if bad:
+        raise ValueError(f"order {order!r} has unknown token(s) {bad}; known: {'-'.join(known)}")
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"order {order!r} repeats a token")
     if world_size % (tp * pp * cp):
         raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     dp = world_size // (tp * pp * cp)
@@ -156,7 +167,25 @@ def megatron_meshes(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: 
     edp = world_size // (etp * ep * pp)
     dense_sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
     expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    for mesh_name, sizes in (("dense", dense_sizes), ("expert", expert_sizes)):
+        missing = [f"{t}={sizes[t]}" for t in known if t not in tokens and sizes[t] > 1]
+        if missing:
+            raise ValueError(f"order {order!r} leaves out {', '.join(missing)} of the {mesh_name} mesh "
+                             f"(world {world_size}, tp={tp} pp={pp} cp={cp} ep={ep} etp={etp}); "
+                             "only axes of size 1 may be left out")
+    if pp > 1 and tokens[-1] != "pp" and dp != edp:   # Megatron checks the order as given
+        raise ValueError(f"order {order!r} does not end with pp, so the dense and expert data-parallel sizes must be "
+                         f"equal, but dp={dp} and edp={edp} (world {world_size}, tp={tp} pp={pp} cp={cp} ep={ep} etp={etp})")
+    for t in known:
+        if t not in tokens:
+            tokens.append(t)
     expert_names = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp", "cp": "cp"}
     dense = Mesh.of([(t, dense_sizes[t]) for t in tokens if t != "ep"], rank_offset)
     expert = Mesh.of([(expert_names[t], expert_sizes[t]) for t in tokens if t != "cp"], rank_offset)
+    if pp > 1:
+        dense_pp, expert_pp = dense.groups("pp"), expert.groups("pp")
+        if sorted(dense_pp) != sorted(expert_pp):
+            raise ValueError(f"order {order!r} gives different pipeline groups to the dense and expert layers "
+                             f"(world {world_size}, tp={tp} pp={pp} cp={cp} ep={ep} etp={etp}): dense {dense_pp[:4]}"
+                             f"{' ...' if len(dense_pp) > 4 else ''} vs expert {expert_pp[:4]}{' ...' if len(expert_pp) > 4 else ''}")
     return MegatronMeshes(dense, expert)
