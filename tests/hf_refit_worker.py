@@ -117,3 +117,85 @@ def hf_scenarios(rank: int, world: int, cases: list) -> list:
         mcore_cpu.destroy_megatron()
         dist.barrier()
     return out
+
+
+def _split_qkv(full, heads, groups, hd):
+    """Megatron's per-group [q; k; v] rows -> (q, k, v), by hand."""
+    qpg = heads // groups
+    per = full.view(groups, (qpg + 2) * hd, -1)
+    q = per[:, :qpg * hd].reshape(heads * hd, -1)
+    k = per[:, qpg * hd:(qpg + 1) * hd].reshape(groups * hd, -1)
+    v = per[:, (qpg + 1) * hd:].reshape(groups * hd, -1)
+    return q, k, v
+
+
+def gqa_hf_expected(full: dict, cfg) -> dict:
+    """Megatron full tensors -> HF names and digests for Llama / Qwen3-MoE, written out by hand."""
+    from megatron_refit_worker import reference_full  # noqa: F401  (documentation of the source)
+    out = {}
+    for name, t in full.items():
+        n = name.replace("embedding.word_embeddings.weight", "model.embed_tokens.weight").replace(
+            "decoder.final_layernorm", "model.norm").replace("output_layer.weight", "lm_head.weight").replace(
+            "decoder.layers.", "model.layers.")
+        if name.endswith("linear_qkv.weight"):
+            q, k, v = _split_qkv(t, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels)
+            base = n.replace("self_attention.linear_qkv.weight", "self_attn.")
+            out.update({base + "q_proj.weight": _digest(q), base + "k_proj.weight": _digest(k), base + "v_proj.weight": _digest(v)})
+            continue
+        if ".experts.experts." in name:
+            layer, rest = n.split(".mlp.experts.experts.")
+            e, which = rest.split(".", 1)
+            out[f"{layer}.mlp.experts.{'gate_up_proj' if 'linear_fc1' in which else 'down_proj'}[{e}]"] = _digest(t)
+            continue
+        for a, b in (("self_attention.linear_proj", "self_attn.o_proj"), ("self_attention.q_layernorm", "self_attn.q_norm"),
+                     ("self_attention.k_layernorm", "self_attn.k_norm"), ("pre_mlp_layernorm", "post_attention_layernorm"),
+                     ("mlp.router.weight", "mlp.gate.weight"), ("mlp.linear_fc2", "mlp.down_proj")):
+            n = n.replace(a, b)
+        if name.endswith("mlp.linear_fc1.weight"):
+            n = n.replace("mlp.linear_fc1.weight", "mlp.gate_up")
+        out[n] = _digest(t)
+    return out
+
+
+def hf_gqa_scenarios(rank: int, world: int, cases: list) -> list:
+    """Llama (dense GQA) and Qwen3-MoE: Megatron -> live transformers model on rank 0."""
+    from mcore_reshard.hf_model import read_hf_layout
+    from mcore_reshard.layout import Layout
+    from mcore_reshard.refit import MegatronRefit
+    from megatron_refit_worker import reference_full
+    import transformers
+    mcore_cpu.install_cpu_shims()
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = []
+    for case in cases:
+        chunks = _build(case["model"], case["src"], torch.float32, {})
+        perturb_replicated(chunks)
+        logits = mcore_cpu.forward_logits(chunks, tokens)
+        cfg = chunks[0].config
+        expected = gqa_hf_expected(reference_full(chunks), cfg)
+        model, target = None, (Layout(), {})
+        if rank == 0:
+            common = dict(vocab_size=chunks[0].vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                          num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
+                          head_dim=cfg.kv_channels, intermediate_size=cfg.ffn_hidden_size, rms_norm_eps=cfg.layernorm_epsilon,
+                          rope_theta=getattr(cfg, "rotary_base", 10000), max_position_embeddings=64, tie_word_embeddings=False)
+            if case["model"] == "gqa":
+                model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common))
+            else:
+                model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+                    num_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False, **common))
+            model.eval()
+            target = read_hf_layout(model, rank)
+        refit = MegatronRefit(chunks, group=None, target=target)
+        refit.refit()
+        res = {"src": expected}
+        if model is not None:
+            with torch.no_grad():
+                hf_logits = model(tokens).logits.float()
+            res.update(dst=hf_digests(model), logits_max_diff=float((hf_logits - logits).abs().max()),
+                       same_argmax=bool((hf_logits.argmax(-1) == logits.argmax(-1)).all()),
+                       network_bytes=refit.plan.stats["network_bytes"], lower_bound_bytes=refit.plan.stats["lower_bound_bytes"])
+        out.append(res)
+        mcore_cpu.destroy_megatron()
+    return out

@@ -58,6 +58,11 @@ def _named_tensors(chunk):
 
 def reference_digests(chunks) -> dict[str, list]:
     """Global name -> [shape, dtype, sha256 prefix] of every full tensor, by the simple path."""
+    return {n: [list(t.shape), str(t.dtype), _digest(t)] for n, t in reference_full(chunks).items()}
+
+
+def reference_full(chunks) -> dict[str, torch.Tensor]:
+    """Global name -> full tensor, gathered by the simple attribute-driven path."""
     from megatron.core import parallel_state as ps
     tp_group, etp_group = ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group()
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -68,7 +73,7 @@ def reference_digests(chunks) -> dict[str, list]:
             if getattr(p, "tensor_model_parallel", False):
                 group = etp_group if getattr(p, "allreduce", True) is False else tp_group
                 full = _gather(full, group, p.partition_dim, getattr(p, "partition_stride", 1))
-            out[_global_name(chunk, name, ep_rank)] = [list(full.shape), str(full.dtype), _digest(full)]
+            out[_global_name(chunk, name, ep_rank)] = full
     return out
 
 

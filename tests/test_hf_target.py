@@ -34,3 +34,17 @@ def test_megatron_to_transformers(world, case):
     assert hf["unused"] and all(n.startswith("model.layers.4.") for n in hf["unused"])   # the MTP layer
     assert hf["logits_max_diff"] <= 1e-4, hf["logits_max_diff"]
     assert hf["same_argmax"]
+
+
+def test_gqa_and_qwen3_moe_to_transformers():
+    cases = [{"model": "gqa", "src": {"tp": 2, "pp": 2}}, {"model": "qwen3", "src": {"tp": 2, "ep": 2}}]
+    results = spawn(hf_refit_worker.hf_gqa_scenarios, 4, cases, timeout=400)
+    for i, case in enumerate(cases):
+        src = {}
+        for r in results:
+            src.update(r[i]["src"])
+        hf = results[0][i]
+        assert set(src) == set(hf["dst"]) and len(src) > 20, set(src) ^ set(hf["dst"])
+        assert [k for k in src if src[k] != hf["dst"][k]] == []
+        assert hf["network_bytes"] == hf["lower_bound_bytes"] > 0
+        assert hf["logits_max_diff"] <= 1e-4 and hf["same_argmax"], (case, hf["logits_max_diff"])
