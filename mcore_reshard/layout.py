@@ -100,6 +100,8 @@ class Buffer:
 
     def padding(self) -> list[Box]:
         """Local regions no piece covers (zero-filled by the executor)."""
+        if sum(p.local.numel for p in self.pieces) == prod(self.shape):
+            return []   # pieces never overlap (checked when added), so they cover everything
         rest = [Box.full(self.shape)] if prod(self.shape) else []
         for p in self.pieces:
             rest = [r for box in rest for r in subtract(box, p.local)]

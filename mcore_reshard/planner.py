@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from bisect import bisect_left
+from heapq import heapify, heapreplace
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -247,6 +248,7 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     lower_bound = 0
     starts = {name: ([b.offsets[0] if b.ndim else 0 for b, _ in items], max((b.sizes[0] if b.ndim else 1) for b, _ in items))
               for name, items in index.items()}
+    holder_ranks = {id(h): {x[0] for x in h} for items in index.values() for _, h in items}
     for r, buf, dp in dst.iter_pieces():
         isz = itemsize(tensors[dp.tensor]["src_dtype"])
         covering = []
@@ -264,9 +266,9 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
             if region is None:
                 continue
             covering.append(region)
-            mine = [h for h in holders if h[0] == r]
+            mine = next((h for h in holders if h[0] == r), None) if r in holder_ranks[id(holders)] else None
             if mine:
-                hr, hb, hp = mine[0]
+                hr, hb, hp = mine
                 local.append(Copy(dp.tensor, region, hr, hb, hp.local_of(region), r, buf.name, dp.local_of(region),
                                   region.numel * isz))
             else:
@@ -283,12 +285,24 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     order = sorted(range(len(remote)), key=lambda i: (-remote[i][0].numel * remote[i][6], remote[i][1],
                                                       remote[i][0], remote[i][3], remote[i][4]))
     chosen: dict[int, tuple[int, str, Piece]] = {}
+    heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
+    first_holder: dict[int, dict] = {}
     for i in order:
         region, _, holders, _, _, _, isz = remote[i]
-        ranks = sorted({h[0] for h in holders})
-        best = min(ranks, key=lambda q: (load[q], q))
-        chosen[i] = next(h for h in holders if h[0] == best)
+        key = id(holders)
+        heap = heaps.get(key)
+        if heap is None:
+            first_holder[key] = {}
+            for h in holders:
+                first_holder[key].setdefault(h[0], h)
+            heap = heaps[key] = [(load[q], q) for q in sorted(first_holder[key])]
+            heapify(heap)
+        while heap[0][0] != load[heap[0][1]]:   # loads only grow: a stale top is refreshed and re-sorted
+            heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        best = heap[0][1]
+        chosen[i] = first_holder[key][best]
         load[best] += region.numel * isz
+        heapreplace(heap, (load[best], best))
     _rebalance(remote, chosen, load)
 
     copies: list[Copy] = []
@@ -345,9 +359,19 @@ def _pack_rounds(copies: list[Copy], budget: int) -> tuple[list[Message], int]:
     send: list[dict[int, int]] = []
     recv: list[dict[int, int]] = []
     placed: dict[tuple[int, int, int], list[Copy]] = defaultdict(list)
+    # first round worth trying per rank: copies come largest first, so a round with less room
+    # than the current copy is skipped for this rank from then on (keeps first-fit near-linear)
+    low_s: dict[int, int] = defaultdict(int)
+    low_r: dict[int, int] = defaultdict(int)
     for c in sorted(copies, key=lambda c: (-c.nbytes, c.src, c.dst, c.tensor, c.box)):
         n = _align(c.nbytes)
-        k = 0
+        ks, kr = low_s[c.src], low_r[c.dst]
+        while ks < len(send) and send[ks].get(c.src, 0) + n > budget:
+            ks += 1
+        while kr < len(recv) and recv[kr].get(c.dst, 0) + n > budget:
+            kr += 1
+        low_s[c.src], low_r[c.dst] = ks, kr
+        k = max(ks, kr)
         while k < len(send) and (send[k].get(c.src, 0) + n > budget or recv[k].get(c.dst, 0) + n > budget):
             k += 1
         if k == len(send):
