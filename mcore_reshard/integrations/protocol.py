@@ -1,0 +1,348 @@
+"""The refit protocol every side runs: trainer ranks, vLLM workers, SGLang TP workers.
+
+One process group holds the trainer ranks and the inference workers together (one "world"):
+trainer ranks are ``[0, T)``, an engine's workers follow at ``rank_offset``
+(vLLM: ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``; SGLang: ``rank_offset + tp_rank``,
+one ``rank_offset`` per engine).  Inside an engine ``torch.distributed`` already holds the engine's
+own world, so :func:`join_group` builds the shared group *beside* it (the pattern vLLM's RLHF
+examples, SGLang's ``init_weights_update_group`` and OpenRLHF use), and falls back to
+``init_process_group`` in a process that has no default group yet.
+
+Every rank then calls :func:`join_refit` once (collective)::
+
+    rank      | src                                  | dst
+    trainer r | its canonical layout part + tensors  | None
+    worker w  | None                                 | a layout *spec* (engine, config, kwargs)
+              |                                      |  + its live parameters (runtime names)
+
+1. each rank puts what it brings into one JSON payload: a layout part (only its own buffers),
+   or a spec (``{"engine": "vllm", "config": {...}, "kwargs": {...}}``: every rank rebuilds the same
+   whole-engine layout from it, so the exchange stays tiny), the plan options, and any error it
+   found locally (e.g. parameter names that do not match the layout);
+2. :func:`mcore_reshard.executor.all_gather_json`: every rank sees every payload, in rank order;
+3. if any rank reported an error, or options differ, *every* rank raises
+   :class:`~mcore_reshard.executor.ReshardError` (nothing has moved);
+4. every rank merges the parts and the distinct specs into one source and one destination layout
+   and calls :func:`mcore_reshard.planner.make_plan` with the same options: the same plan everywhere;
+5. every rank constructs :class:`~mcore_reshard.executor.Resharder` (its collective handshake checks
+   the plan hash and each rank's tensors once more) and returns it; ``refit()`` then moves the weights
+   after every training step, ``copy_`` into existing storage.
+
+Example, 2 trainer ranks (HF-style unsharded source on each, i.e. two replicas) and vLLM tp=2 at
+``rank_offset=2``::
+
+    rank 0, 1: join_refit(g, src=part_r, src_tensors=...)                 # trainer
+    rank 2, 3: join_refit(g, dst=layout_spec("vllm", cfg, tp=2, rank_offset=2), dst_tensors=params)
+    all:       r.refit(version)
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import hashlib
+import re
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..executor import ReshardError, Resharder, agree, all_gather_json, dtype_name
+from ..layout import Layout, LayoutError
+from ..planner import DEFAULT_BUDGET, make_plan
+
+ENGINES = ("vllm", "sglang", "hf", "megatron")
+
+
+# ----------------------------------------------------------------------------------- process group
+
+def _rank_map(world_size: int, rank: int, default_rank: int) -> dict[int, int]:
+    """A global->group rank map in which this process's default-world rank maps to ``rank``.
+
+    ``torch.distributed.get_rank(group)`` looks the default-world rank up in this map; the other
+    members get placeholder global ids (the executor always addresses peers by group rank)."""
+    spare = (k for k in range(world_size + 1) if k != default_rank)
+    out = {next(spare): r for r in range(world_size) if r != rank}
+    out[default_rank] = rank
+    return out
+
+
+def join_group(init_method: str, world_size: int, rank: int, *, backend: str | None = None,
+               timeout_s: float = 600.0, group_name: str | None = None):
+    """Collective over the ``world_size`` processes that call it: a process group in which this
+    process is ``rank``.  Returns the group to pass as ``group=``.
+
+    Without a default process group this is ``init_process_group`` (and returns ``dist.group.WORLD``).
+    With one (an engine worker, or a trainer with its own world) it creates an independent group next
+    to it through ``torch.distributed``'s private ``_new_process_group_helper`` (as SGLang's
+    ``init_custom_process_group`` does), so that ``dist.get_rank(group)`` and every collective /
+    point-to-point call with ``group=`` work.  ``init_method``: ``tcp://host:port`` (group rank 0
+    hosts the store) or ``file:///shared/path``.  ``backend``: ``nccl`` with CUDA, else ``gloo``.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+        return dist.group.WORLD
+    from torch.distributed import distributed_c10d as c10d
+
+    name = group_name or "mcore_reshard_" + hashlib.sha1(init_method.encode()).hexdigest()[:12]
+    store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    default = c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    if bound is not None:
+        default.bound_device_id = None   # never ncclCommSplit from the engine's own world
+    try:
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                               group_name=name, timeout=timeout)
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
+    c10d._world.pg_group_ranks[pg] = _rank_map(world_size, rank, default.rank())
+    if dist.get_rank(pg) != rank or dist.get_world_size(pg) != world_size:
+        raise RuntimeError(f"join_group: built group reports rank {dist.get_rank(pg)}/{dist.get_world_size(pg)}, "
+                           f"expected {rank}/{world_size}")
+    return pg
+
+
+def leave_group(group) -> None:
+    """Destroy a group made by :func:`join_group` (the default world if that is what it made)."""
+    if group is None or group is dist.group.WORLD:
+        dist.destroy_process_group()
+    else:
+        dist.destroy_process_group(group)
+
+
+# ----------------------------------------------------------------------------------- layout specs
+
+def config_to_json(config) -> dict:
+    """A :class:`~mcore_reshard.targets.ModelConfig` as JSON (``extra`` dropped)."""
+    d = dataclasses.asdict(config)
+    d.pop("extra", None)
+    d["mlp_only_layers"] = list(d.get("mlp_only_layers") or ())
+    return d
+
+
+def config_from_json(obj: Mapping):
+    from ..targets import ModelConfig
+    d = dict(obj)
+    d["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
+    return ModelConfig(**d)
+
+
+def layout_spec(engine: str, config, **kwargs) -> dict:
+    """A JSON description of a whole layout that every rank rebuilds identically.
+
+    ``engine``: ``vllm`` (kwargs of :func:`~mcore_reshard.targets.vllm_layout`), ``sglang``
+    (:func:`~mcore_reshard.targets.sglang_layout`), ``hf`` (:func:`~mcore_reshard.targets.hf_layout`,
+    ``rank=``), ``megatron`` (:func:`~mcore_reshard.megatron_spec.megatron_layout`: ``sizes`` as a dict
+    of :class:`~mcore_reshard.megatron_spec.ParallelSizes` fields, ``family``, ``dtype``,
+    ``norm_dtype``, ``rank_offset``).  ``config``: a ModelConfig or its JSON."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {ENGINES}")
+    cfg = config if isinstance(config, Mapping) else config_to_json(config)
+    kw = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
+    return {"engine": engine, "config": dict(cfg), "kwargs": kw}
+
+
+def build_layout(spec: Mapping) -> Layout:
+    """The layout a :func:`layout_spec` describes."""
+    from ..targets import hf_layout, sglang_layout, vllm_layout
+    engine, kw = spec["engine"], dict(spec.get("kwargs") or {})
+    cfg = config_from_json(spec["config"])
+    if engine == "vllm":
+        return vllm_layout(cfg, **kw)
+    if engine == "sglang":
+        return sglang_layout(cfg, **kw)
+    if engine == "hf":
+        return hf_layout(cfg, **kw)
+    if engine == "megatron":
+        from ..megatron_spec import ParallelSizes, megatron_layout
+        sizes = ParallelSizes(**kw.pop("sizes", {}))
+        return megatron_layout(cfg, sizes, **kw)
+    raise ValueError(f"unknown engine {engine!r} in layout spec; known: {ENGINES}")
+
+
+def spec_text(spec: Mapping) -> str:
+    kw = ", ".join(f"{k}={v}" for k, v in sorted((spec.get("kwargs") or {}).items()))
+    return f"{spec['engine']}_layout({spec['config'].get('model_type', '?')}, {kw})"
+
+
+def rank_part(layout: Layout, rank: int, drop: Iterable[str] = ()) -> Layout:
+    """The part of ``layout`` on ``rank`` (its buffers and the tensors they hold), minus ``drop``."""
+    drop = set(drop)
+    part = Layout()
+    for name, buf in sorted(layout.buffers.get(rank, {}).items()):
+        if name in drop:
+            continue
+        for p in buf.pieces:
+            m = layout.tensors[p.tensor]
+            part.add_tensor(m.name, m.shape, m.dtype)
+        part.buffers.setdefault(rank, {})[name] = buf
+    return part
+
+
+# ----------------------------------------------------------------------------------- live tensors
+
+def live_tensors(modules: Mapping[str, torch.nn.Module]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parameters of several modules under ``prefix + name`` (``{"": model, "mtp.": draft}``),
+    detached (same storage).  A parameter whose memory is already listed under another name (a draft
+    model sharing the target's embedding) is left out and returned in ``aliases`` (name -> name it
+    shares memory with): it is updated through the other name."""
+    out: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for prefix, module in modules.items():
+        if module is None:
+            continue
+        for name, p in module.named_parameters():
+            t = p.detach()
+            key = (t.device.type, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+            full = prefix + name
+            if t.numel() and key in seen:
+                aliases[full] = seen[key]
+                continue
+            seen[key] = full
+            out[full] = t
+    return out, aliases
+
+
+def check_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *, what: str = "parameters",
+                  against: str = "the layout", ignore: Iterable[str] = (), limit: int = 8) -> list[str]:
+    """Errors (empty if none) comparing this rank's live tensors with ``layout``'s buffers on
+    ``rank``: names the layout has and the model lacks (with a close name when there is one), names
+    the model has and the layout lacks (they would keep stale weights), shapes and dtypes.
+    ``ignore``: regexes of live names that are not weights the refit owns."""
+    pats = [re.compile(p) for p in ignore]
+    want = layout.buffers.get(rank, {})
+    have = {n: t for n, t in tensors.items() if not any(p.search(n) for p in pats)}
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    bad = []
+    for name in sorted(set(want) & set(have)):
+        b, t = want[name], have[name]
+        if tuple(t.shape) != tuple(b.shape) or dtype_name(t.dtype) != b.dtype:
+            bad.append(f"{name} {list(t.shape)} {dtype_name(t.dtype)} (layout: {list(b.shape)} {b.dtype})")
+    parts = []
+    if missing:
+        items = []
+        for n in missing[:limit]:
+            close = difflib.get_close_matches(n, extra, n=1, cutoff=0.8)
+            b = want[n]
+            items.append(f"{n} {list(b.shape)} {b.dtype}" + (f" (the model has {close[0]})" if close else ""))
+        parts.append(f"{len(missing)} missing: " + ", ".join(items) + (" ..." if len(missing) > limit else ""))
+    if extra:
+        parts.append(f"{len(extra)} not in the layout (would keep stale weights): "
+                     + ", ".join(f"{n} {list(have[n].shape)}" for n in extra[:limit]) + (" ..." if len(extra) > limit else ""))
+    if bad:
+        parts.append(f"{len(bad)} of another shape or dtype: " + ", ".join(bad[:limit]) + (" ..." if len(bad) > limit else ""))
+    return [f"rank {rank}: {what} do not match {against}: " + "; ".join(parts)] if parts else []
+
+
+# ----------------------------------------------------------------------------------- the protocol
+
+def _merge(layouts: Iterable[Layout]) -> Layout:
+    out = Layout()
+    for lay in layouts:
+        for name, meta in lay.tensors.items():
+            out.add_tensor(name, meta.shape, meta.dtype)
+        for r, bufs in lay.buffers.items():
+            for b in bufs.values():
+                if b.name in out.buffers.get(r, {}):
+                    raise LayoutError(f"rank {r} buffer {b.name} is described twice (two specs or parts overlap)")
+                out.buffers.setdefault(r, {})[b.name] = b
+    return out
+
+
+def _side(payloads: list[dict], side: str) -> Layout:
+    parts, specs = [], {}
+    for p in payloads:
+        if p.get(side) is not None:
+            parts.append(Layout.from_json(p[side]))
+        spec = p.get(side + "_spec")
+        if spec is not None:
+            specs.setdefault(_spec_key(spec), spec)
+    built = [build_layout(specs[k]) for k in sorted(specs)]
+    return _merge(built + parts)
+
+
+def _spec_key(spec: Mapping) -> str:
+    import json
+    return json.dumps(spec, sort_keys=True)
+
+
+def _as_payload(side: str, value, rank: int) -> tuple[dict | None, dict | None]:
+    """(part JSON, spec) for what a rank brings on one side."""
+    if value is None:
+        return None, None
+    if isinstance(value, Mapping):
+        if "engine" not in value:
+            raise ValueError(f"{side}: a dict must be a layout spec (see layout_spec), got keys {sorted(value)}")
+        return None, dict(value)
+    if isinstance(value, Layout):
+        others = [r for r in value.ranks if r != rank]
+        if others:
+            raise ValueError(f"{side} layout part of rank {rank} has buffers of ranks {others[:8]}: pass only this "
+                             "rank's buffers (rank_part(layout, rank)) or a layout_spec")
+        return value.to_json(), None
+    raise TypeError(f"{side}: expected a Layout part, a layout spec dict or None, not {type(value).__name__}")
+
+
+def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | None = None, dst=None,
+               dst_tensors: Mapping[str, torch.Tensor] | None = None, *, error: str | None = None,
+               budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False, ignore_unused: bool = False,
+               timeout: float | None = None, verify: bool = False) -> Resharder:
+    """Collective over ``group``: exchange what each rank brings, plan, bind (see the module doc).
+
+    ``src`` / ``dst``: this rank's layout part (a :class:`Layout` holding only this rank's buffers, in
+    canonical tensor names), a :func:`layout_spec` dict, or None.  ``src_tensors`` / ``dst_tensors``:
+    this rank's real tensors by buffer name.  ``error``: a problem this rank already found (e.g.
+    :func:`check_tensors`); it makes every rank raise before anything moves.  The plan options must
+    be the same on every rank.  Returns the :class:`Resharder` (``.plan`` holds the plan)."""
+    rank = dist.get_rank(group)
+    options = {"budget_bytes": int(budget_bytes), "allow_cast": bool(allow_cast), "ignore_unused": bool(ignore_unused),
+               "verify": bool(verify)}
+    payload: dict[str, Any] = {"rank": rank, "error": error, "options": options}
+    try:
+        payload["src"], payload["src_spec"] = _as_payload("src", src, rank)
+        payload["dst"], payload["dst_spec"] = _as_payload("dst", dst, rank)
+    except Exception as e:  # noqa: BLE001 - every rank must hear about it
+        payload.update(src=None, src_spec=None, dst=None, dst_spec=None)
+        payload["error"] = "; ".join(filter(None, [error, f"rank {rank}: {type(e).__name__}: {e}"]))
+    parts = all_gather_json(payload, group, timeout=timeout)
+    problems = [p["error"] for p in parts if p.get("error")]
+    opts: dict[str, list[int]] = {}
+    for r, p in enumerate(parts):
+        opts.setdefault(_spec_key(p["options"]), []).append(r)
+    if len(opts) > 1:
+        problems.append("plan options differ between ranks: " + "; ".join(f"{k} on ranks {v}" for k, v in sorted(opts.items())))
+    if problems:
+        raise ReshardError("refit refused before any transfer: " + " | ".join(problems))
+    try:
+        src_layout = _side(parts, "src")
+        dst_layout = _side(parts, "dst")
+        plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
+                         ignore_unused=ignore_unused)
+    except Exception as e:  # noqa: BLE001 - deterministic, but still exchanged so nobody waits
+        agree(group, "00" * 32, [f"{type(e).__name__}: {e}"], timeout=timeout)
+        raise  # unreachable: agree raises on every rank
+    return Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+
+
+def megatron_source(chunks, rank: int, *, family: str = "auto", vocab_size: int | None = None) -> tuple[Layout, dict]:
+    """The trainer side: this rank's part of a live Megatron-Core model in canonical (HF) tensor
+    names, and its tensors (``read_layout`` + ``family.canonicalize``).  ``rank`` is this process's
+    rank in the refit group (not necessarily its Megatron rank)."""
+    from ..family import canonicalize, load_family
+    from ..megatron_model import family_for, model_config, read_layout
+    layout, tensors = read_layout(chunks, rank)
+    config = model_config(chunks)
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
+    fam = load_family(family_for(config) if family == "auto" else family)
+    return canonicalize(layout, fam, config), tensors
+
+
+__all__ = ["build_layout", "check_tensors", "config_from_json", "config_to_json", "join_group", "join_refit",
+           "layout_spec", "leave_group", "live_tensors", "megatron_source", "rank_part", "spec_text"]

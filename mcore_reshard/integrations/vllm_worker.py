@@ -1,0 +1,219 @@
+"""vLLM worker extension: refit a running vLLM engine from the trainer, shard to shard, in place.
+
+Importing this module never imports vLLM; the methods use vLLM only to read the worker's TP/PP
+ranks (``vllm.distributed.parallel_state``) and fall back to the worker's own fields without it.
+
+Wiring (see ``examples/vllm_refit.py`` and ``docs/engines.md``)::
+
+    llm = LLM(model=..., tensor_parallel_size=tp,
+              worker_extension_cls="mcore_reshard.integrations.vllm_worker.McoreReshardWorkerExtension")
+
+    # driver (trainer rank 0's process or a controller) -- each call returns one result per worker;
+    # every call below is collective with the trainer ranks, so the driver issues it from a thread
+    # while the trainer ranks run their side (join_group / join_refit / refit):
+    llm.collective_rpc("mcore_reshard_join", args=(init_method, world_size, rank_offset, 600.0))
+    llm.collective_rpc("mcore_reshard_prepare")               # plan + bind, once
+    llm.collective_rpc("mcore_reshard_refit", args=(step,))   # after every optimizer step
+    llm.reset_prefix_cache()                                  # the V1 scheduler owns the prefix cache
+
+Ranks of the shared group: trainer ranks ``[0, T)``; worker ``(dp_rank, pp_rank, tp_rank)`` is
+``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank`` (``rank_offset + dp_rank * tp + tp_rank``
+without PP), the numbering of :func:`mcore_reshard.targets.vllm_layout`; ``world_size`` counts
+trainer ranks and every worker.  With one ``LLM`` per DP replica give each its own ``rank_offset``.
+
+What ``mcore_reshard_prepare`` checks before anything moves: the worker's live
+``model_runner.model.named_parameters()`` (runtime names, existing storage; plus the MTP drafter's
+under ``mtp.`` when there is one) must equal, name for name, shape for shape, the buffers
+``vllm_layout(<the engine's config>)`` gives this rank.  Any mismatch is reported by every rank of
+the group (trainer included) as one :class:`~mcore_reshard.executor.ReshardError`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+import torch
+
+from ..executor import ReshardError, dtype_name
+from ..planner import DEFAULT_BUDGET
+from .hooks import run_post_refit
+from .protocol import (build_layout, check_tensors, join_group, join_refit, layout_spec, leave_group, live_tensors,
+                       rank_part, spec_text)
+
+MTP_PREFIX = "mtp."
+
+
+def vllm_coords(worker) -> dict:
+    """This worker's ``tp, pp, dp`` sizes and ``tp_rank, pp_rank, dp_rank``.
+
+    Sizes and ``dp_rank`` come from ``worker.vllm_config.parallel_config``; TP/PP ranks from
+    ``vllm.distributed.parallel_state`` when vLLM is importable, else from ``worker.rank`` (vLLM's
+    world rank inside one DP engine is ``pp_rank * tp + tp_rank``)."""
+    pc = worker.vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    dp, dp_rank = int(getattr(pc, "data_parallel_size", 1) or 1), int(getattr(pc, "data_parallel_rank", 0) or 0)
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except ImportError:
+        local = int(worker.rank)
+        tp_rank, pp_rank = local % tp, (local // tp) % pp
+    return {"tp": tp, "pp": pp, "dp": dp, "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank}
+
+
+def vllm_spec(worker, rank_offset: int, *, names: str = "auto", mtp: bool = False, layout: Mapping | None = None) -> dict:
+    """The :func:`~mcore_reshard.integrations.protocol.layout_spec` of the whole vLLM deployment this
+    worker belongs to, from its engine config (``layout`` overrides ``vllm_layout`` kwargs)."""
+    from ..targets import from_hf_config
+    vc = worker.vllm_config
+    mc, pc = vc.model_config, vc.parallel_config
+    if getattr(mc, "quantization", None):
+        raise NotImplementedError(f"quantized model ({mc.quantization}): FP8 block-scale refit is not supported yet")
+    if getattr(pc, "enable_eplb", False):
+        raise NotImplementedError("EPLB (redundant expert replicas) is not modelled yet")
+    cfg = from_hf_config(mc.hf_config)
+    c = vllm_coords(worker)
+    kw: dict[str, Any] = {"tp": c["tp"], "dp": c["dp"], "pp": c["pp"], "rank_offset": int(rank_offset),
+                          "enable_expert_parallel": bool(getattr(pc, "enable_expert_parallel", False)),
+                          "dtype": dtype_name(mc.dtype) if isinstance(mc.dtype, torch.dtype) else str(mc.dtype),
+                          "names": names, "mtp": bool(mtp)}
+    placement = getattr(pc, "expert_placement_strategy", None)
+    if placement in ("linear", "round_robin"):
+        kw["expert_placement"] = placement
+    part = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if part and c["pp"] > 1:
+        kw["pp_layer_partition"] = [int(x) for x in part.split(",")]
+    kw.update(layout or {})
+    return layout_spec("vllm", cfg, **kw)
+
+
+class McoreReshardWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); every public method is reachable
+    through ``LLM.collective_rpc`` and returns a small picklable dict.
+
+    State lives on the worker as ``self._mcore_reshard`` (group, spec, resharder, last reports).
+    """
+
+    # ------------------------------------------------------------------ helpers (not RPC targets)
+    def _mr(self) -> dict:
+        st = getattr(self, "_mcore_reshard", None)
+        if st is None:
+            st = self._mcore_reshard = {}
+        return st
+
+    def _mr_models(self, mtp: bool) -> dict:
+        runner = self.model_runner
+        models = {"": runner.model}
+        if mtp:
+            draft = getattr(getattr(runner, "drafter", None), "model", None)
+            if draft is None:
+                raise ReshardError("mtp=True but this worker's model_runner has no drafter.model (MTP draft model)")
+            models[MTP_PREFIX] = draft
+        return models
+
+    def _mr_has_drafter(self) -> bool:
+        return getattr(getattr(getattr(self, "model_runner", None), "drafter", None), "model", None) is not None
+
+    # ------------------------------------------------------------------ RPC methods
+    def mcore_reshard_join(self, init_method: str, world_size: int, rank_offset: int, timeout_s: float = 600.0,
+                           backend: str | None = None) -> dict:
+        """Join the shared group (collective with the trainer ranks and every other worker) as
+        ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``."""
+        c = vllm_coords(self)
+        rank = int(rank_offset) + (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
+        if not 0 <= rank < world_size:
+            raise ReshardError(f"worker rank {rank} (rank_offset {rank_offset}, {c}) is outside world_size {world_size}")
+        group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
+        st = self._mr()
+        st.update(group=group, rank=rank, world_size=int(world_size), rank_offset=int(rank_offset),
+                  timeout_s=float(timeout_s), resharder=None)
+        return {"rank": rank, "world_size": int(world_size), **c}
+
+    def mcore_reshard_prepare(self, spec: Mapping | None = None, *, layout: Mapping | None = None, names: str = "auto",
+                              mtp: bool | str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
+                              ignore_unused: bool = False, verify: bool = False, ignore_params: tuple = ()) -> dict:
+        """Plan and bind (collective with the trainer ranks' :func:`join_refit`; once, or again after
+        the deployment changes).
+
+        ``spec``: the destination :func:`layout_spec` (default: built from the engine config by
+        :func:`vllm_spec`, ``layout`` overriding its kwargs).  ``names``: ``"current"`` /
+        ``"legacy"`` expert parameter names, ``"auto"`` from the live names.  ``mtp``: include the
+        MTP drafter (``"auto"``: when the worker has one).  Plan options (``budget_bytes``,
+        ``allow_cast``, ``ignore_unused``, ``verify``) must match the trainer's call.  The live
+        parameters are checked against this rank's part of the layout first; a mismatch makes every
+        rank raise :class:`ReshardError` before anything moves."""
+        st = self._mr()
+        if st.get("group") is None:
+            raise ReshardError("mcore_reshard_prepare before mcore_reshard_join")
+        rank, error, part, tensors, mtp_on = st["rank"], None, None, {}, False
+        try:
+            mtp_on = self._mr_has_drafter() if mtp == "auto" else bool(mtp)
+            tensors, aliases = live_tensors(self._mr_models(mtp_on))
+            if spec is None:
+                if names == "auto":
+                    names = "current" if any(".routed_experts." in n for n in tensors) else "legacy"
+                spec = vllm_spec(self, st["rank_offset"], names=names, mtp=mtp_on, layout=layout)
+            full = build_layout(spec)
+            # a drafter sharing the target's memory (embedding / head): send this rank's part without
+            # those buffers; the shared tensor is written once, under the target's name
+            part = rank_part(full, rank, drop=aliases) if aliases else None
+            errs = check_tensors(part or full, rank, tensors, what="vLLM parameters", against=spec_text(spec),
+                                 ignore=ignore_params)
+            if errs:
+                error = " | ".join(errs)
+            dst = part if part is not None else spec
+            tensors = {n: t for n, t in tensors.items() if n in (part or full).buffers.get(rank, {})}
+        except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
+            error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
+        t0 = time.monotonic()
+        r = join_refit(st["group"], dst=dst if error is None else None, dst_tensors=tensors if error is None else {},
+                       error=error, budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused,
+                       timeout=st["timeout_s"], verify=verify)
+        st.update(resharder=r, spec=spec, mtp=mtp_on, written=sorted(tensors))
+        return {"rank": rank, "buffers": len(tensors), "plan_hash": r.plan.hash[:16], "rounds": r.plan.rounds,
+                "staging_bytes": r.staging_bytes, "seconds": round(time.monotonic() - t0, 3)}
+
+    def mcore_reshard_refit(self, version: int | None = None, post_refit: bool = True) -> dict:
+        """One refit (collective with the trainer's ``refit()``): ``copy_`` into the existing
+        parameters, then (``post_refit``) :meth:`mcore_reshard_post_refit`."""
+        st = self._mr()
+        r = st.get("resharder")
+        if r is None:
+            raise ReshardError("mcore_reshard_refit before mcore_reshard_prepare")
+        t0 = time.monotonic()
+        with torch.no_grad():
+            stats = r.refit(version)
+        if torch.cuda.is_available() and any(t.is_cuda for t in r.dst.values()):
+            torch.cuda.synchronize()
+        out = {"rank": st["rank"], **stats, "seconds": round(time.monotonic() - t0, 3)}
+        if post_refit:
+            out["post_refit"] = self.mcore_reshard_post_refit()
+        return out
+
+    def mcore_reshard_post_refit(self, strict: bool = True) -> dict:
+        """The vLLM post-refit hooks (:data:`mcore_reshard.integrations.hooks.POST_REFIT` ``["vllm"]``):
+        FP8 guard, MLA ``W_UK_T``/``W_UV`` (nothing for views -- bf16, detected by ``data_ptr`` --,
+        ``copy_`` for copies), prefix-cache reset on the worker or its model runner if either has
+        ``reset_prefix_cache`` (else the report says to call ``llm.reset_prefix_cache()``)."""
+        st = self._mr()
+        models = list(self._mr_models(bool(st.get("mtp"))).values())
+        rep = run_post_refit("vllm", models, owners=[self, getattr(self, "model_runner", None)], strict=strict)
+        st["post_refit"] = rep
+        return rep
+
+    def mcore_reshard_state(self) -> dict:
+        """The resharder's state (refit version each buffer holds; interrupted refits)."""
+        r = self._mr().get("resharder")
+        return {"rank": self._mr().get("rank"), "prepared": r is not None, **(r.state() if r is not None else {})}
+
+    def mcore_reshard_leave(self) -> dict:
+        """Destroy the shared group (collective)."""
+        st = self._mr()
+        if st.get("group") is not None:
+            leave_group(st["group"])
+        st.clear()
+        return {"left": True}
+
+
+__all__ = ["MTP_PREFIX", "McoreReshardWorkerExtension", "vllm_coords", "vllm_spec"]
