@@ -31,11 +31,29 @@ setup() {
   "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers'
 }
 
+# The core (layouts, planner, executor) needs only torch and works on Python >= 3.10: check it on
+# the machine's default Python 3.11 with the CPU torch wheel, without megatron-core.
+CORE_TESTS="tests/test_planner_properties.py tests/test_planner_cases.py tests/test_box_and_cli.py
+  tests/test_executor_multiproc.py tests/test_dtensor.py tests/test_family_rules.py tests/test_targets.py"
+core311() {
+  local venv=${VENV}-py311
+  if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis' 2>/dev/null; then
+    echo "[dev.sh] creating $venv with Python 3.11 (torch 2.13.0 CPU wheel, no megatron-core)" >&2
+    PYENV_VERSION=3.11.7 python3.11 -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 2>&1 | grep -v '^WARNING: Location' || true
+    "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+  fi
+  "$venv/bin/python" -c 'import sys; import mcore_reshard; assert "megatron" not in sys.modules'
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider $CORE_TESTS "$@"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/mcore-reshard" demo "$@" ;;
   test) setup; exec "$VENV/bin/python" -m pytest -q -rs "$@" ;;
   setup) setup ;;
-  *) echo "usage: ./dev.sh demo|test|setup [args]" >&2; exit 2 ;;
+  core311) core311 "$@" ;;
+  *) echo "usage: ./dev.sh demo|test|setup|core311 [args]" >&2; exit 2 ;;
 esac
