@@ -77,3 +77,53 @@ def test_qkv_split_and_vocab_rules_match_hand_slicing():
             assert torch.equal(via_meg[name], via_hf[name]), (r, name)
     # rank 1's embedding buffer has 2 padding rows (10..11) in the canonical view
     assert canon.buffers[1]["emb"].padding() == [Box((4, 0), (2, H))]
+
+
+def test_transformer_engine_spec_rules_plan_into_local_spec():
+    """The TE spec names and replicates differently from the local spec: MLA down-projections are
+    'duplicated' TELinear (whole on every TP rank), norms are fused into *.layer_norm_weight, and
+    TEGroupedMLP keeps experts as linear_fc1.weight{i} parameters with the same global keys.
+    Read as Megatron keys and canonicalized, a TE-spec TP2 source must plan into the local-spec
+    TP2 layout exactly (checked by applying the plan to real tensors)."""
+    from mcore_reshard.megatron_spec import ParallelSizes, megatron_layout
+    from mcore_reshard.planner import make_plan
+    from mcore_reshard.targets import dsv3_tiny
+    from sim import apply_plan, random_full
+    cfg = dsv3_tiny(num_nextn_predict_layers=0)
+    fam = load_family("deepseek_v3")
+    conf = {"num_layers": 4}
+    meg = Layout()
+    tp = Mesh.of({"tp": 2})
+    H, ql, kl, rope = 64, 32, 16, 8
+    q_down = "decoder.layers.1.self_attention.linear_q_down_proj.weight"
+    meg.add_sharded(q_down, (ql, H), "float32", tp, [], buffer=q_down)                       # duplicated: replicated
+    meg.add_sharded("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight", (ql,), "float32", tp, [],
+                    buffer="decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight")  # fused q_a_layernorm
+    key = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"                          # TEGroupedMLP weight{i}
+    meg.add_tensor(key, (8, 64, H), "float32")
+    for r in range(2):
+        for i in range(8):   # ep=1, etp=2: every rank holds all 8 experts, rows [gate_r; up_r]
+            meg.add_buffer(r, Buffer(f"decoder.layers.1.mlp.experts.linear_fc1.weight{i}", (32, H), "float32", (
+                Piece(key, Box((i, 16 * r, 0), (1, 16, H)), Box((0, 0), (16, H))),
+                Piece(key, Box((i, 32 + 16 * r, 0), (1, 16, H)), Box((16, 0), (16, H))))))
+    src = canonicalize(meg, fam, conf)
+    assert set(src.tensors) == {"model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.q_a_layernorm.weight",
+                                "model.layers.1.mlp.experts.gate_up_proj"}
+    local = megatron_layout(cfg, ParallelSizes(tp=2, etp=2), "deepseek_v3", rank_offset=2)
+    dst = Layout()
+    for n in src.tensors:
+        dst.add_tensor(n, local.tensors[n].shape, "float32")
+    for r in local.ranks:
+        for b in local.buffers[r].values():
+            if all(p.tensor in src.tensors for p in b.pieces):
+                dst.add_buffer(r, b)
+    plan = make_plan(src, dst)
+    full = random_full(src)
+    S = {r: materialize(src, r, full) for r in src.ranks}
+    D = {r: materialize(dst, r, full, fill=float("nan")) for r in dst.ranks}
+    apply_plan(plan, S, D)
+    for r in dst.ranks:
+        expect = materialize(dst, r, full)
+        assert all(torch.equal(D[r][n], expect[n]) for n in expect)
+    # the replicated q_a_proj: each local-spec rank needs half, and gets it from one of two replicas
+    assert plan.stats["network_bytes"] == plan.stats["lower_bound_bytes"] == sum(m.nbytes for m in plan.messages)
