@@ -16,6 +16,8 @@ Reshard live Megatron-Core weights shard to shard between parallel layouts.
   plan     plan a refit without moving anything: bytes vs the lower bound vs gather+broadcast,
            per-rank load, messages, rounds, staging; write the plan as JSON.
   explain  for one tensor: which rank sends which region to which rank.
+  bench    full-size DeepSeek-V3 plans with a cost model, live CPU runs side by side with
+           megatron.core.resharding and gather+broadcast, pictures (see BENCHMARKS.md).
 
 Layout strings (see docs/layout-strings.md):
   tp=2,pp=16,ep=64  or  megatron:tp=2,pp=16,ep=64   Megatron-Core (keys tp pp cp ep etp dp vpp first last)
@@ -111,12 +113,42 @@ def cmd_plan(args) -> int:
     print(f"mean sent / rank   {s['network_bytes'] / n:,.0f}  mean received / rank {s['network_bytes'] / n:,.0f}")
     if s.get("unused_tensors"):
         print(f"not in target      {len(s['unused_tensors'])} source tensors (e.g. {s['unused_tensors'][0]})")
+    from .costmodel import predict, preset
+    pred = predict(plan, preset(args.hardware))
+    print(f"predicted refit    {pred['seconds']:.3f} s on {args.hardware} (link-bound limit {pred['link_bound_s']:.3f} s)")
     print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s")
+    if args.heatmap:
+        _heatmap(plan, args.heatmap)
+        print(f"traffic heatmap written to {args.heatmap}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.dumps())
         print(f"plan written to {args.out}")
     return 0
+
+
+def _heatmap(plan, path: str) -> None:
+    """Sender x receiver bytes of a plan as a PNG (matplotlib, Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    ranks = plan.ranks
+    pos = {r: i for i, r in enumerate(ranks)}
+    grid = np.zeros((len(ranks), len(ranks)))
+    for m in plan.messages:
+        grid[pos[m.src], pos[m.dst]] += sum(c.nbytes for c in m.entries)
+    for c in plan.local_copies:
+        grid[pos[c.src], pos[c.dst]] += c.nbytes
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(grid, cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("receiving rank")
+    ax.set_ylabel("sending rank")
+    ax.set_title("bytes per (sender, receiver); diagonal = local copies")
+    fig.colorbar(im, ax=ax, label="bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def cmd_explain(args) -> int:
@@ -191,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="a Hugging Face config.json instead of a preset")
         if name == "plan":
             p.add_argument("--out", help="write the plan as JSON to this file")
+            p.add_argument("--heatmap", help="write the sender x receiver traffic heatmap as PNG to this file")
+            p.add_argument("--hardware", default="dgx_h100", choices=["dgx_h100", "gb200_nvl72", "gb200_nvl72_800g"],
+                           help="hardware preset for the predicted refit time (default: dgx_h100)")
         p.set_defaults(func=func)
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -75,9 +75,13 @@ def test_cli_plan_writes_json(tmp_path, capsys):
     assert f"bytes over network {plan['stats']['network_bytes']:,}" in text
 
 
-def test_cli_plan_presets_and_engines(capsys):
-    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2,dp=2,ep", "--dtype", "bfloat16"]) == 0
+def test_cli_plan_presets_and_engines(capsys, tmp_path):
+    png = tmp_path / "heat.png"
+    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2,dp=2,ep", "--dtype", "bfloat16",
+                 "--heatmap", str(png)]) == 0
     out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "predicted refit" in out and "on dgx_h100 (link-bound limit" in out
     assert "4 ranks) -> destination vllm:tp=2,dp=2,ep (4 ranks, disaggregated)" in out
     assert "not in target      20 source tensors" in out      # the MTP layer: no draft model requested
     assert main(["explain", "model.layers.1.mlp.gate.e_score_correction_bias", "--model", "dsv3-tiny",

@@ -1,0 +1,267 @@
+"""A link-level cost model of a refit plan: how long would it take on a real GPU cluster?
+
+Pure Python, no torch.  A :class:`Topology` says how ranks map to NVLink domains and how fast each
+GPU's links are; :func:`predict` walks a :class:`~mcore_reshard.planner.Plan` round by round::
+
+    round time = max over ranks r of ( max(NIC out_r, NIC in_r) / nic_bw,
+                                       max(NVLink out_r, NVLink in_r) / nvlink_bw )   (links overlap)
+                 + per-message latency * messages posted by r
+                 + (pack + unpack bytes of r) / (hbm_bw / 2)                       (read + write)
+                 + round_latency
+    refit time = local-copy time + sum of the round times
+
+A message goes over NVLink when source and destination rank lie in the same NVLink domain
+(``rank // gpus_per_domain``), else over the NIC.  :func:`link_bound` is the floor for the same
+placement (the same sender for every byte): every rank's total bytes per link class divided by the
+link's bandwidth, all rounds merged, no latency.  :func:`hierarchical` models topology
+exploitation without touching the planner: when several receivers in one NVLink domain need the
+same box from outside the domain, it crosses the network once (to the receiver with the least NIC
+traffic so far) and is fanned out over NVLink inside the domain.  :func:`gather_broadcast_time`
+models the baseline the benchmarks compare against (see ``BENCHMARKS.md``).
+
+Example (DGX H100: 8 GPUs per NVLink domain, 450 GB/s NVLink and 50 GB/s NIC per GPU): a round in
+which rank 0 sends 1 GB to rank 1 (same node) and 1 GB to rank 8 (next node) takes
+``max(1/50, 1/450) s = 20 ms`` plus two message latencies; the link bound is the same 20 ms.
+
+Numbers are peak link rates (``efficiency=1.0``): predictions are optimistic floors, not
+measurements.  Presets cite the vendor spec sheets in their docstrings.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Per-GPU link speeds (bytes/s, one direction) and NVLink domain size."""
+    name: str
+    gpus_per_domain: int
+    nvlink_bw: float
+    nic_bw: float
+    hbm_bw: float
+    msg_latency_s: float = 10e-6     # per message posted by a rank (launch + RDMA/NVLink setup)
+    round_latency_s: float = 50e-6   # per staging round (group start/end, stream sync)
+    efficiency: float = 1.0          # achievable fraction of the peak link rates
+    note: str = ""
+
+    def domain(self, rank: int) -> int:
+        return rank // self.gpus_per_domain
+
+    def same_domain(self, a: int, b: int) -> bool:
+        return a // self.gpus_per_domain == b // self.gpus_per_domain
+
+    def with_(self, **kw) -> "Topology":
+        return replace(self, **kw)
+
+
+def dgx_h100() -> Topology:
+    """NVIDIA DGX H100: 8 H100 SXM per node behind 4 NVSwitch chips; NVLink 4 gives every GPU
+    900 GB/s of GPU-to-GPU bandwidth (450 GB/s per direction); 8 single-port ConnectX-7 400 Gb/s
+    adapters for the compute fabric, one per GPU (400 Gb/s = 50 GB/s per direction); HBM3 at
+    3.35 TB/s per GPU.  Sources: "NVIDIA DGX H100 User Guide -- Introduction to the NVIDIA DGX H100
+    System" (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html) and the
+    "NVIDIA H100 Tensor Core GPU" datasheet (https://www.nvidia.com/en-us/data-center/h100/,
+    H100 SXM: 3.35 TB/s memory bandwidth, NVLink 900 GB/s)."""
+    return Topology("DGX H100", 8, 450 * GB, 50 * GB, 3.35e12,
+                    note="8 GPUs/NVLink domain, NVLink4 450 GB/s/dir/GPU, ConnectX-7 400 Gb/s per GPU")
+
+
+def gb200_nvl72(nic_gbit: int = 400) -> Topology:
+    """NVIDIA GB200 NVL72: one NVLink domain of 72 Blackwell GPUs; fifth-generation NVLink gives
+    every GPU 1.8 TB/s (900 GB/s per direction; 130 TB/s for the rack); HBM3e at 8 TB/s per GPU;
+    one ConnectX-7 (400 Gb/s) or ConnectX-8 SuperNIC (800 Gb/s) per GPU for the scale-out fabric.
+    Sources: "NVIDIA GB200 NVL72" product page and spec table
+    (https://www.nvidia.com/en-us/data-center/gb200-nvl72/), "NVIDIA DGX GB200" datasheet
+    (https://www.nvidia.com/en-us/data-center/dgx-gb200/) and "NVIDIA ConnectX-8 SuperNIC"
+    (https://www.nvidia.com/en-us/networking/products/ethernet/supernic/)."""
+    if nic_gbit not in (400, 800):
+        raise ValueError("GB200 NVL72 NIC per GPU is 400 (ConnectX-7) or 800 (ConnectX-8) Gb/s")
+    return Topology(f"GB200 NVL72 ({nic_gbit}G NIC)", 72, 900 * GB, nic_gbit / 8 * GB, 8e12,
+                    note=f"72 GPUs/NVLink domain, NVLink5 900 GB/s/dir/GPU, {nic_gbit} Gb/s NIC per GPU")
+
+
+PRESETS = {"dgx_h100": dgx_h100, "gb200_nvl72": lambda: gb200_nvl72(400),
+           "gb200_nvl72_800g": lambda: gb200_nvl72(800)}
+
+
+def preset(name: str) -> Topology:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown topology {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+
+
+# ----------------------------------------------------------------------------------- traffic
+
+@dataclass
+class Traffic:
+    """Bytes per rank per link class (NIC / NVLink, out / in), messages per rank, pack/unpack bytes."""
+    nic_out: dict = None
+    nic_in: dict = None
+    nvl_out: dict = None
+    nvl_in: dict = None
+    msgs: dict = None
+    packed: dict = None
+
+    def __post_init__(self):
+        for f in ("nic_out", "nic_in", "nvl_out", "nvl_in", "msgs", "packed"):
+            if getattr(self, f) is None:
+                setattr(self, f, defaultdict(int))
+
+    def add(self, topo: Topology, src: int, dst: int, nbytes: int, messages: int = 1) -> None:
+        if topo.same_domain(src, dst):
+            self.nvl_out[src] += nbytes
+            self.nvl_in[dst] += nbytes
+        else:
+            self.nic_out[src] += nbytes
+            self.nic_in[dst] += nbytes
+        self.msgs[src] += messages
+        self.packed[src] += nbytes
+        self.packed[dst] += nbytes
+
+    def link_time(self, topo: Topology) -> float:
+        """max over ranks of the busiest link (NIC and NVLink run concurrently)."""
+        nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
+        ranks = set(self.nic_out) | set(self.nic_in) | set(self.nvl_out) | set(self.nvl_in)
+        return max((max(max(self.nic_out.get(r, 0), self.nic_in.get(r, 0)) / nic,
+                        max(self.nvl_out.get(r, 0), self.nvl_in.get(r, 0)) / nvl) for r in ranks), default=0.0)
+
+    def time(self, topo: Topology) -> float:
+        """Link time plus each rank's message latencies and pack/unpack copies (worst rank)."""
+        nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
+        ranks = set(self.nic_out) | set(self.nic_in) | set(self.nvl_out) | set(self.nvl_in)
+        worst = 0.0
+        for r in ranks:
+            t = max(max(self.nic_out.get(r, 0), self.nic_in.get(r, 0)) / nic,
+                    max(self.nvl_out.get(r, 0), self.nvl_in.get(r, 0)) / nvl)
+            t += topo.msg_latency_s * self.msgs.get(r, 0) + 2 * self.packed.get(r, 0) / topo.hbm_bw
+            worst = max(worst, t)
+        return worst
+
+    def summary(self) -> dict:
+        def mx(d):
+            return max(d.values(), default=0)
+        return {"nic_bytes": sum(self.nic_out.values()), "nvlink_bytes": sum(self.nvl_out.values()),
+                "max_nic_out": mx(self.nic_out), "max_nic_in": mx(self.nic_in),
+                "max_nvlink_out": mx(self.nvl_out), "max_nvlink_in": mx(self.nvl_in),
+                "max_messages_per_rank": mx(self.msgs)}
+
+
+def _payload(m) -> int:
+    return sum(c.nbytes for c in m.entries)
+
+
+def _local_time(plan, topo: Topology) -> float:
+    local = defaultdict(int)
+    for c in plan.local_copies:
+        local[c.dst] += c.nbytes
+    return max((2 * b / topo.hbm_bw for b in local.values()), default=0.0)
+
+
+def predict(plan, topo: Topology) -> dict:
+    """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round)."""
+    rounds: dict[int, Traffic] = defaultdict(Traffic)
+    total = Traffic()
+    for m in plan.messages:
+        n = _payload(m)
+        rounds[m.round].add(topo, m.src, m.dst, n)
+        total.add(topo, m.src, m.dst, n)
+    local_s = _local_time(plan, topo)
+    per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
+    return {"topology": topo.name, "seconds": local_s + sum(per_round), "local_s": local_s,
+            "rounds": len(per_round), "round_s": per_round, "link_bound_s": link_bound(plan, topo),
+            **total.summary()}
+
+
+def link_bound(plan, topo: Topology) -> float:
+    """Floor for the same placement: every rank's total bytes per link class / bandwidth, no
+    rounds, no latency, no pack/unpack."""
+    t = Traffic()
+    for m in plan.messages:
+        t.add(topo, m.src, m.dst, _payload(m))
+    return t.link_time(topo)
+
+
+def hierarchical(plan, topo: Topology) -> dict:
+    """Topology exploitation, modelled on the plan: every box that several receivers of one NVLink
+    domain need from outside the domain crosses the network once, to the receiver with the least
+    NIC traffic so far, which forwards it to the others over NVLink.  Returns the predicted time
+    (link time of the new traffic + latencies of the distinct (sender, receiver) pairs + the plan's
+    round overheads + local copies), its link bound and how many network bytes it saves."""
+    direct = Traffic()
+    pairs: set[tuple[int, int]] = set()
+    by_tensor: dict[str, list] = defaultdict(list)   # cross-domain copies, grouped tensor by tensor
+    for m in plan.messages:
+        for c in m.entries:
+            if topo.same_domain(c.src, c.dst):
+                direct.add(topo, c.src, c.dst, c.nbytes, messages=0)
+                pairs.add((c.src, c.dst))
+            else:
+                by_tensor[c.tensor].append(c)
+    saved = 0
+    # one tensor at a time (bounded memory on plans with millions of copies), largest boxes first
+    for tensor in sorted(by_tensor):
+        groups: dict[tuple, list] = defaultdict(list)    # (dst domain, box) -> copies from outside
+        for c in by_tensor.pop(tensor):
+            groups[(topo.domain(c.dst), c.box)].append(c)
+        for key in sorted(groups, key=lambda k: (-groups[k][0].nbytes, k)):
+            copies = groups[key]
+            leader = min(copies, key=lambda c: (direct.nic_in.get(c.dst, 0), c.dst))
+            direct.add(topo, leader.src, leader.dst, leader.nbytes, messages=0)
+            pairs.add((leader.src, leader.dst))
+            for c in copies:
+                if c is leader:
+                    continue
+                saved += c.nbytes
+                if c.dst != leader.dst:     # (the same box twice on one rank: a local copy there)
+                    direct.add(topo, leader.dst, c.dst, c.nbytes, messages=0)
+                    pairs.add((leader.dst, c.dst))
+    for s, _ in pairs:
+        direct.msgs[s] += 1
+    rounds = max(plan.rounds, 1)
+    return {"seconds": _local_time(plan, topo) + direct.time(topo) + rounds * topo.round_latency_s,
+            "link_bound_s": direct.link_time(topo), "nic_bytes_saved": saved, **direct.summary()}
+
+
+def gather_broadcast_time(tensors: Iterable[Mapping], topo: Topology) -> dict:
+    """Modelled time of the gather + broadcast baseline, one tensor after another (as Megatron-Bridge
+    style exports run): per tensor, the holders send their shards to the root concurrently
+    (busiest link of the gather), then the root broadcasts the full tensor to every receiver as a
+    pipelined ring (``nbytes / bandwidth`` of the slowest link in the ring, NIC as soon as the
+    receivers span more than one domain), plus one message latency per step.
+
+    ``tensors``: dicts with ``nbytes``, ``root``, ``gather`` ({holder rank: bytes sent to root})
+    and ``receivers`` (ranks other than the root), as :func:`mcore_reshard.bench.gather_broadcast`
+    returns them."""
+    nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
+    total = gather_s = bcast_s = 0.0
+    for t in tensors:
+        g = 0.0
+        into_root_nic = into_root_nvl = 0
+        for holder, n in t["gather"].items():
+            if topo.same_domain(holder, t["root"]):
+                into_root_nvl += n
+                g = max(g, n / nvl)
+            else:
+                into_root_nic += n
+                g = max(g, n / nic)
+        g = max(g, into_root_nic / nic, into_root_nvl / nvl)
+        if t["gather"]:
+            g += topo.msg_latency_s
+        recv = t["receivers"]
+        b = 0.0
+        if recv:
+            cross = any(not topo.same_domain(r, t["root"]) for r in recv)
+            b = t["nbytes"] / (nic if cross else nvl) + topo.msg_latency_s
+        gather_s += g
+        bcast_s += b
+        total += g + b
+    return {"seconds": total, "gather_s": gather_s, "broadcast_s": bcast_s}
+
+
+__all__ = ["GB", "PRESETS", "Topology", "Traffic", "dgx_h100", "gather_broadcast_time", "gb200_nvl72",
+           "hierarchical", "link_bound", "predict", "preset"]
