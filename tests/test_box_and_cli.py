@@ -75,12 +75,18 @@ def test_cli_plan_writes_json(tmp_path, capsys):
     assert f"bytes over network {plan['stats']['network_bytes']:,}" in text
 
 
-def test_cli_plan_presets_and_engines(capsys, tmp_path):
+def test_cli_plan_heatmap(capsys, tmp_path):
+    import pytest
+    pytest.importorskip("matplotlib")   # in the test extra on Python 3.12; the 3.11 core run has no plotting
     png = tmp_path / "heat.png"
-    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2,dp=2,ep", "--dtype", "bfloat16",
-                 "--heatmap", str(png)]) == 0
-    out = capsys.readouterr().out
+    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2,dp=2,ep", "--heatmap", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"traffic heatmap written to {png}" in capsys.readouterr().out
+
+
+def test_cli_plan_presets_and_engines(capsys):
+    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2,dp=2,ep", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
     assert "predicted refit" in out and "on dgx_h100 (link-bound limit" in out
     assert "4 ranks) -> destination vllm:tp=2,dp=2,ep (4 ranks, disaggregated)" in out
     assert "not in target      20 source tensors" in out      # the MTP layer: no draft model requested
