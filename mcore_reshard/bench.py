@@ -378,7 +378,9 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
                    "max_stage_send_bytes": st["max_stage_send_bytes"], "max_stage_recv_bytes": st["max_stage_recv_bytes"],
                    "padding_bytes": st["padding_bytes"]}
     out["cost"] = {}
-    for tname in sorted(costmodel.PRESETS):
+    # every preset, except on plans with millions of copies (the fan-out model walks every copy)
+    presets = sorted(costmodel.PRESETS) if out["plan"]["copies"] <= 2_000_000 else [conf.topology]
+    for tname in presets:
         t = costmodel.preset(tname)
         p = costmodel.predict(plan, t)
         h = costmodel.hierarchical(plan, t)
