@@ -40,7 +40,7 @@ core311() {
   if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis' 2>/dev/null; then
     echo "[dev.sh] creating $venv with Python 3.11 (torch 2.13.0 CPU wheel, no megatron-core)" >&2
     PYENV_VERSION=3.11.7 python3.11 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 2>&1 | grep -v '^WARNING: Location' || true
+    "$venv/bin/pip" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 tqdm==4.70.1 2>&1 | grep -v '^WARNING: Location' || true
     "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
   fi
   "$venv/bin/python" -c 'import sys; import mcore_reshard; assert "megatron" not in sys.modules'

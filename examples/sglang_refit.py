@@ -26,20 +26,18 @@ FlashInfer-TRTLLM MoE ``[up; gate]`` order is not modelled (docs/engines.md).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_common import cannot_run, common_args, optimizer_step, trainer  # noqa: E402
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite", help="HF model path or id (trainer and engine)")
-    ap.add_argument("--tp", type=int, default=2, help="SGLang tensor-parallel size (default 2)")
+    common_args(ap, "SGLang", "tcp://127.0.0.1:29556")
     ap.add_argument("--dp", type=int, default=1, help="SGLang dp size (with --dp-attention: inside the TP group)")
     ap.add_argument("--dp-attention", action="store_true", help="--enable-dp-attention")
-    ap.add_argument("--steps", type=int, default=3, help="training steps, one refit after each (default 3)")
-    ap.add_argument("--init", default="tcp://127.0.0.1:29556", help="rendezvous of the refit group (trainer rank 0 hosts it)")
-    ap.add_argument("--budget-mb", type=int, default=256, help="staging budget per rank per round, MiB (default 256)")
     return ap.parse_args(argv)
 
 
@@ -47,19 +45,13 @@ def run(args) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     import sglang
-    import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
-    from mcore_reshard.hf_model import read_hf_layout
     from mcore_reshard.integrations.protocol import join_group, join_refit
     from mcore_reshard.integrations.sglang_loader import LOAD_FORMAT, command
 
-    dist.init_process_group("nccl")
-    rank, T = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, T, plan_kw, src, tensors = trainer(args)    # Megatron-Core: megatron_source(model_chunks, rank)
     world = T + args.tp
-    plan_kw = dict(budget_bytes=args.budget_mb << 20, ignore_unused=True, allow_cast=True)
     layout = {"tp": args.tp, "dp": args.dp, "enable_dp_attention": args.dp_attention}   # optional: read from
     # SGLang's server args when importable in the worker; given explicitly here for clarity
 
@@ -77,9 +69,6 @@ def run(args) -> int:
         return pool.submit(engine.update_weights_from_tensor, named_tensors=[command(name, **payload)],
                            load_format=LOAD_FORMAT)
 
-    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, trust_remote_code=True).cuda()
-    src, tensors = read_hf_layout(policy, rank)      # Megatron-Core: megatron_source(model_chunks, rank)
-
     fut = send("join", init_method=args.init, world_size=world, rank_offset=T, timeout_s=600)
     group = join_group(args.init, world, rank, timeout_s=600)
     fut and fut.result()
@@ -89,10 +78,7 @@ def run(args) -> int:
     fut and fut.result()                                                              # if a worker refused
 
     for step in range(1, args.steps + 1):
-        with torch.no_grad():                # stands in for an optimizer step
-            for t in tensors.values():
-                if t.is_floating_point():
-                    t.mul_(1.0 + 1e-3 * step)
+        optimizer_step(tensors, step)
         fut = send("refit", version=step)
         stats = refit.refit(step)
         if rank == 0:
@@ -107,13 +93,9 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    missing = [m for m in ("sglang", "transformers") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"{' and '.join(missing)} not installed here: this example drives a real SGLang engine on GPUs "
-              "(see --help and docs/engines.md); nothing to run.")
-        return 0
-    if "RANK" not in os.environ:
-        print("run it under torchrun, e.g.: torchrun --nproc-per-node 1 examples/sglang_refit.py --tp 2")
+    why = cannot_run("sglang", "sglang_refit.py")
+    if why:
+        print(why)
         return 0
     return run(args)
 

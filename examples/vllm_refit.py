@@ -30,41 +30,33 @@ Limits: bf16/fp16 weights only (no FP8 block scales), no EPLB redundant experts 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_common import cannot_run, common_args, optimizer_step, trainer  # noqa: E402
 
 EXT = "mcore_reshard.integrations.vllm_worker.McoreReshardWorkerExtension"
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="deepseek-ai/DeepSeek-V2-Lite", help="HF model path or id (trainer and engine)")
-    ap.add_argument("--tp", type=int, default=2, help="vLLM tensor-parallel size (default 2)")
-    ap.add_argument("--steps", type=int, default=3, help="training steps, one refit after each (default 3)")
-    ap.add_argument("--init", default="tcp://127.0.0.1:29555", help="rendezvous of the refit group (trainer rank 0 hosts it)")
+    common_args(ap, "vLLM", "tcp://127.0.0.1:29555")
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (default 0.5)")
-    ap.add_argument("--budget-mb", type=int, default=256, help="staging budget per rank per round, MiB (default 256)")
     return ap.parse_args(argv)
 
 
 def run(args) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
-    import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from mcore_reshard.hf_model import read_hf_layout
     from mcore_reshard.integrations.protocol import join_group, join_refit
 
-    # --- the trainer's own world (torchrun); the refit group is a second, separate group
-    dist.init_process_group("nccl")
-    rank, T = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # --- the trainer's own world (torchrun) and policy; the refit group is a second, separate group
+    rank, T, plan_kw, src, tensors = trainer(args)
     world = T + args.tp                      # trainer ranks + every vLLM worker (dp = pp = 1 here)
-    plan_kw = dict(budget_bytes=args.budget_mb << 20, ignore_unused=True, allow_cast=True)
 
     # --- engine side: trainer rank 0 owns the LLM (vLLM starts its workers in their own processes)
     llm = pool = None
@@ -76,10 +68,6 @@ def run(args) -> int:
     def engine(method, *a, **kw):
         """Start a collective RPC on every worker without blocking this trainer rank."""
         return pool.submit(llm.collective_rpc, method, args=a, kwargs=kw) if rank == 0 else None
-
-    # --- trainer side: the policy (here a transformers copy; with Megatron: megatron_source(chunks, rank))
-    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, trust_remote_code=True).cuda()
-    src, tensors = read_hf_layout(policy, rank)
 
     # 1. one group for trainer ranks [0, T) and workers [T, T + tp)
     fut = engine("mcore_reshard_join", args.init, world, T, 600.0)
@@ -96,10 +84,7 @@ def run(args) -> int:
 
     prompt, sp = ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0)
     for step in range(1, args.steps + 1):
-        with torch.no_grad():                # stands in for an optimizer step: weights change in place
-            for t in tensors.values():
-                if t.is_floating_point():
-                    t.mul_(1.0 + 1e-3 * step)
+        optimizer_step(tensors, step)
         fut = engine("mcore_reshard_refit", step)
         stats = refit.refit(step)
         if rank == 0:
@@ -116,13 +101,9 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    missing = [m for m in ("vllm", "transformers") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"{' and '.join(missing)} not installed here: this example drives a real vLLM engine on GPUs "
-              "(see --help and docs/engines.md); nothing to run.")
-        return 0
-    if "RANK" not in os.environ:
-        print("run it under torchrun, e.g.: torchrun --nproc-per-node 1 examples/vllm_refit.py --tp 2")
+    why = cannot_run("vllm", "vllm_refit.py")
+    if why:
+        print(why)
         return 0
     return run(args)
 

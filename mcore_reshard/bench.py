@@ -413,8 +413,9 @@ def run_full_size(names: list[str], budget: int, memory: str, timeout: float, lo
     that its memory is measured alone, a slow one is given up after ``timeout`` seconds and one
     that needs more than ``max_mem_gib`` of address space fails (MemoryError) instead of pushing the
     machine into swap (0: no cap).  ``progress``: a JSON file rewritten after every configuration."""
+    from .progress import bar
     results = []
-    for name in names:
+    for name in bar(names, desc="full-size plans", unit="config"):
         with tempfile.TemporaryDirectory(prefix="mcore-bench-") as tmp:
             path = os.path.join(tmp, "out.json")
             cmd = [sys.executable, "-m", "mcore_reshard.bench", "--full-size", "--configs", name, "--in-process",
@@ -662,7 +663,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    from tqdm import tqdm
+    tqdm.write(msg, file=sys.stderr)     # above any progress bar being drawn
 
 
 def cmd_bench(args) -> int:
@@ -720,7 +722,8 @@ def cmd_bench(args) -> int:
         cases = [c for c in args.cases.split(";") if c] if args.cases else list(CASES)
         tag = "live_smoke" if args.smoke and not args.live else "live"
         rows = []
-        for size in sizes:      # one launch per size: a size that does not fit leaves the others' results
+        from .progress import bar
+        for size in bar(sizes, desc="live sizes", unit="size"):   # one launch per size: a size that does not fit leaves the others' results
             _log(f"[bench] live {size}: cases {cases}, {reps} rep(s) after one warm-up, 4 processes")
             t0 = time.perf_counter()
             load = os.getloadavg()[0]

@@ -375,9 +375,13 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     from .refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
+    from .progress import bar
+    work = bar(total=len(sizes) * len(cases), desc="rank 0 cases", unit="case", leave=False) if rank == 0 else None
     for size in sizes:
         d = SIZES[size]
         for case in cases:
+            if work is not None:
+                work.set_postfix_str(f"{size} {case}")
             src_sizes, dst_sizes = CASES[case]
             t0 = time.perf_counter()
             src = _build(mcore_cpu, d, src_sizes, dtype)
@@ -440,6 +444,10 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
             gc.collect()
             dist.barrier()
             out.append(res)
+            if work is not None:
+                work.update(1)
+    if work is not None:
+        work.close()
     return out
 
 

@@ -44,10 +44,6 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="destination dtype (differs from --dtype: cast on the receiver)")
 
 
-def _progress(msg: str) -> None:
-    print(f"[mcore-reshard] {msg}", file=sys.stderr, flush=True)
-
-
 def _model_config(args):
     from . import targets
     if args.config:
@@ -56,19 +52,22 @@ def _model_config(args):
     return getattr(targets, PRESETS[args.model])()
 
 
-def _layouts(args):
+def _layouts(args, steps):
     """(source, destination) layouts for the plan/explain commands."""
     if args.model == "synthetic" and not args.config:
         from .demo import build_layouts
+        steps.step("synthetic layouts")
         return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
     from . import layout_strings
     cfg = _model_config(args)
     src_spec, dst_spec = layout_strings.parse(args.src), layout_strings.parse(args.dst)
     if src_spec.engine != "megatron":
-        raise SystemExit(f"error: the source must be a Megatron layout, got {args.src!r}")
-    _progress(f"building layouts for {args.model if not args.config else args.config} ...")
+        raise ValueError(f"the source must be a Megatron layout, got {args.src!r}")
+    what = args.model if not args.config else args.config
+    steps.step(f"source layout {args.src} of {what}")
     src = layout_strings.build(src_spec, cfg, 0, args.dtype)
     offset = 0 if args.colocated else src_spec.world()
+    steps.step(f"destination layout {args.dst}")
     dst = layout_strings.build(dst_spec, cfg, offset, args.dst_dtype or args.dtype)
     return src, dst
 
@@ -93,12 +92,17 @@ def _gather_broadcast_bytes(plan) -> int:
 
 def _plan(args):
     from .planner import make_plan
-    src, dst = _layouts(args)
-    _progress(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks ...")
-    t0 = time.perf_counter()
-    plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
-                     allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True)
-    return src, dst, plan, time.perf_counter() - t0
+    from .progress import Steps
+    synthetic = args.model == "synthetic" and not args.config
+    with Steps(3 if synthetic else 4, args.command) as steps:
+        src, dst = _layouts(args, steps)
+        steps.step(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks")
+        t0 = time.perf_counter()
+        plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
+                         allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True)
+        seconds = time.perf_counter() - t0
+        steps.step("summary")
+    return src, dst, plan, seconds
 
 
 def cmd_plan(args) -> int:
@@ -109,8 +113,10 @@ def cmd_plan(args) -> int:
     print(plan.summary())
     gb = _gather_broadcast_bytes(plan)
     print(f"gather+broadcast   {gb:,} B to destinations ({gb / max(1, s['network_bytes'] + s['local_bytes']):.2f}x this plan's bytes)")
-    n = max(1, len(plan.ranks))
-    print(f"mean sent / rank   {s['network_bytes'] / n:,.0f}  mean received / rank {s['network_bytes'] / n:,.0f}")
+    senders = max(1, sum(1 for v in s["sent_bytes"].values() if v))
+    receivers = max(1, sum(1 for v in s["recv_bytes"].values() if v))
+    print(f"mean sent / sender {s['network_bytes'] / senders:,.0f} ({senders} senders)  "
+          f"mean received / receiver {s['network_bytes'] / receivers:,.0f} ({receivers} receivers)")
     if s.get("unused_tensors"):
         print(f"not in target      {len(s['unused_tensors'])} source tensors (e.g. {s['unused_tensors'][0]})")
     from .costmodel import predict, preset
@@ -175,12 +181,14 @@ def cmd_demo(args) -> int:
     from .demo import demo_worker, world_needed
     from .launch import spawn
     world = world_needed(args.src, args.dst, args.colocated)
-    _progress(f"launching {world} gloo processes: {args.src} -> {args.dst} "
-              f"({'colocated' if args.colocated else 'disaggregated'}), {args.reps} refits")
-    t0 = time.perf_counter()
-    results = spawn(demo_worker, world, args.src, args.dst, args.colocated, args.scale,
-                    int(args.budget_mib * (1 << 20)), args.reps, args.dtype, args.dst_dtype, timeout=args.timeout)
-    _progress(f"all ranks done in {time.perf_counter() - t0:.1f} s")
+    from .progress import Steps
+    with Steps(2, "demo") as steps:
+        steps.step(f"launching {world} gloo processes: {args.src} -> {args.dst} "
+                   f"({'colocated' if args.colocated else 'disaggregated'}), {args.reps} refits")
+        t0 = time.perf_counter()
+        results = spawn(demo_worker, world, args.src, args.dst, args.colocated, args.scale,
+                        int(args.budget_mib * (1 << 20)), args.reps, args.dtype, args.dst_dtype, timeout=args.timeout)
+        steps.step(f"all ranks done in {time.perf_counter() - t0:.1f} s")
     stats = results[0]["stats"]
     times = [max(r["times"][i] for r in results) for i in range(args.reps)]
     bad = sum(r["mismatched_tensors"] for r in results)
@@ -205,6 +213,9 @@ def cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mcore-reshard", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--progress", choices=["auto", "always", "never"], default=None,
+                        help="progress bars on stderr: auto = only on a terminal (default; also "
+                             "MCORE_RESHARD_PROGRESS), always, never")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="reshard a synthetic model on local gloo processes and check it bit for bit")
     _add_layout_args(p)
@@ -230,7 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import add_bench_parser
     add_bench_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from . import progress
+    if args.progress:
+        progress.set_mode(args.progress)
+    from .layout import LayoutError
+    from .planner import PlanError
+    try:
+        return args.func(args)
+    except (ValueError, LayoutError, PlanError) as e:   # bad input: one clear line, no traceback
+        print(f"mcore-reshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

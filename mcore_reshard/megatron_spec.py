@@ -54,20 +54,6 @@ class ParallelSizes:
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    @staticmethod
-    def parse(text: str) -> "ParallelSizes":
-        """``"tp=2,pp=4,ep=8,dp=2"`` (keys: tp pp cp ep etp dp vpp first last)."""
-        keys = {"first": "first_stage_layers", "last": "last_stage_layers"}
-        kw = {}
-        for item in filter(None, (t.strip() for t in text.split(","))):
-            k, _, v = item.partition("=")
-            k = keys.get(k.strip(), k.strip())
-            if k not in ParallelSizes.__dataclass_fields__ or k == "order" or not v.strip().isdigit():
-                raise ValueError(f"bad parallel size {item!r} in {text!r}: use key=N with key in "
-                                 "tp, pp, cp, ep, etp, dp, vpp, first, last")
-            kw[k] = int(v)
-        return ParallelSizes(**kw)
-
 
 def stage_layers(num_layers: int, sizes: ParallelSizes) -> list[list[int]]:
     """Global layer numbers per (virtual stage v * pp + pipeline rank), Megatron's split."""

@@ -24,14 +24,16 @@ PARALLEL_KEYS = ("tp", "pp", "cp", "ep", "etp", "dp")
 
 
 def parse_parallel(text: str) -> dict[str, int]:
-    """``"tp=2,pp=2,ep=4"`` -> sizes (missing ones are 1; etp defaults to tp, dp to 1)."""
-    sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, _, value = item.partition("=")
-        key = key.strip().lower()
-        if key not in PARALLEL_KEYS or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"bad parallel size {item!r} in {text!r}: expected key=N with key in {PARALLEL_KEYS}")
-        sizes[key] = int(value)
+    """``"tp=2,pp=2,ep=4"`` -> sizes (missing ones are 1; etp defaults to tp, dp to 1).
+
+    The grammar is :func:`mcore_reshard.layout_strings.parse`'s (Megatron strings only)."""
+    from .layout_strings import parse
+    spec = parse(text)
+    bad = sorted(set(spec.sizes) - set(PARALLEL_KEYS))
+    if spec.engine != "megatron" or bad:
+        raise ValueError(f"bad parallel sizes {text!r}: the synthetic model takes Megatron keys {PARALLEL_KEYS} only"
+                         + (f", not {bad}" if bad else ""))
+    sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1, **spec.sizes}
     sizes.setdefault("etp", sizes["tp"])
     return sizes
 

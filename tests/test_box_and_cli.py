@@ -111,3 +111,35 @@ def test_layout_strings():
         layout_strings.parse("trt:tp=2")
     with pytest.raises(ValueError, match="bad size 'tp=0'"):
         layout_strings.parse("vllm:tp=0")
+
+
+def test_cli_progress_bar_and_plain_lines():
+    """--progress always draws a tqdm bar over the plan's steps; never prints one line per step."""
+    cmd = [sys.executable, "-m", "mcore_reshard.cli"]
+    args = ["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2"]
+    bar = subprocess.run(cmd + ["--progress", "always"] + args, capture_output=True, text=True, check=True).stderr
+    frames = bar.replace("\r", "\n")
+    assert "plan: 100%" in frames and "4/4" in frames and "[mcore-reshard]" not in bar
+    plain = subprocess.run(cmd + ["--progress", "never"] + args, capture_output=True, text=True, check=True).stderr
+    assert plain.splitlines() == ["[mcore-reshard] source layout tp=2,pp=2 of dsv3-tiny",
+                                  "[mcore-reshard] destination layout vllm:tp=2",
+                                  "[mcore-reshard] planning 83 tensors, 4 -> 2 ranks",
+                                  "[mcore-reshard] summary"]
+
+
+def test_cli_bad_layout_is_one_clear_line():
+    cmd = [sys.executable, "-m", "mcore_reshard.cli", "--progress", "never", "plan", "--model", "dsv3-671b",
+           "--src", "tp=1,pp=4,ep=16", "--dst", "vllm:tp=8"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.splitlines()[-1] == "mcore-reshard plan: error: 61 layers do not divide over pp=4 x vpp=1"
+
+
+def test_synthetic_parser_shares_the_layout_string_grammar():
+    import pytest
+    from mcore_reshard.synthetic import parse_parallel
+    assert parse_parallel("tp=2,pp=2,ep=2") == {"tp": 2, "pp": 2, "cp": 1, "ep": 2, "dp": 1, "etp": 2}
+    with pytest.raises(ValueError, match="bad size 'tp=0'"):
+        parse_parallel("tp=0")
+    with pytest.raises(ValueError, match=r"Megatron keys .* not \['vpp'\]"):
+        parse_parallel("tp=2,vpp=2")

@@ -42,6 +42,7 @@ import datetime
 import difflib
 import hashlib
 import re
+import time
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -238,6 +239,38 @@ def check_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor]
     if bad:
         parts.append(f"{len(bad)} of another shape or dtype: " + ", ".join(bad[:limit]) + (" ..." if len(bad) > limit else ""))
     return [f"rank {rank}: {what} do not match {against}: " + "; ".join(parts)] if parts else []
+
+
+def engine_destination(rank: int, spec: Mapping, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str], *,
+                       what: str, ignore: Iterable[str] = ()) -> tuple[Any, dict[str, torch.Tensor], str | None]:
+    """An engine rank's side of :func:`join_refit`: ``(dst, dst_tensors, error)``.
+
+    Builds the layout ``spec`` describes, checks this rank's live ``tensors`` against it
+    (:func:`check_tensors`) and keeps the tensors the layout writes.  A drafter sharing the target's
+    memory (``aliases`` from :func:`live_tensors`) makes ``dst`` this rank's part without those
+    buffers (the shared tensor is written once, under the target's name); otherwise ``dst`` is the
+    spec itself (smaller to exchange).  Any failure comes back as ``error`` (with ``dst = None``),
+    to be raised on every rank by :func:`join_refit` before anything moves."""
+    try:
+        full = build_layout(spec)
+        part = rank_part(full, rank, drop=aliases) if aliases else None
+        errs = check_tensors(part or full, rank, tensors, what=what, against=spec_text(spec), ignore=ignore)
+        if errs:
+            return None, {}, " | ".join(errs)
+        mine = (part or full).buffers.get(rank, {})
+        return (part if part is not None else spec), {n: t for n, t in tensors.items() if n in mine}, None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
+        return None, {}, f"rank {rank}: {type(e).__name__}: {e}"
+
+
+def timed_refit(resharder: Resharder, rank: int, version: int | None) -> dict:
+    """One refit of an engine rank (``copy_`` into its parameters), synchronised on CUDA, timed."""
+    t0 = time.monotonic()
+    with torch.no_grad():
+        stats = resharder.refit(version)
+    if torch.cuda.is_available() and any(t.is_cuda for t in resharder.dst.values()):
+        torch.cuda.synchronize()
+    return {"rank": rank, **stats, "seconds": round(time.monotonic() - t0, 3)}
 
 
 # ----------------------------------------------------------------------------------- the protocol

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
@@ -43,8 +42,8 @@ import torch.distributed as dist
 from ..executor import ReshardError, dtype_name
 from ..planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (build_layout, check_tensors, join_group, join_refit, layout_spec, leave_group, live_tensors,
-                       rank_part, spec_text)
+from .protocol import (engine_destination, join_group, join_refit, layout_spec, leave_group, live_tensors,
+                       timed_refit)
 
 LOAD_FORMAT = "mcore_reshard.integrations.sglang_loader.load"
 COMMAND_PREFIX = "mcore_reshard."
@@ -156,24 +155,18 @@ class SGLangRefit:
         (collective with the trainer's :func:`join_refit`; plan options must match it)."""
         if self.group is None:
             raise ReshardError("prepare before join")
-        rank, error, dst, tensors = self.rank, None, None, {}
+        rank = self.rank
         try:
             mtp_on = self.draft is not None if mtp == "auto" else bool(mtp)
             if mtp_on and self.draft is None:
                 raise ReshardError("mtp=True but the loader has not seen a NextN draft model")
-            tensors, aliases = live_tensors(self.models(model) if mtp_on else {"": model})
+            live, aliases = live_tensors(self.models(model) if mtp_on else {"": model})
             if spec is None:
                 spec = sglang_spec(model, self.rank_offset, layout=layout, mtp=mtp_on)
-            full = build_layout(spec)
-            part = rank_part(full, rank, drop=aliases) if aliases else None
-            errs = check_tensors(part or full, rank, tensors, what="SGLang parameters", against=spec_text(spec),
-                                 ignore=ignore_params)
-            if errs:
-                error = " | ".join(errs)
-            dst = part if part is not None else spec
-            tensors = {n: t for n, t in tensors.items() if n in (part or full).buffers.get(rank, {})}
+            dst, tensors, error = engine_destination(rank, spec, live, aliases, what="SGLang parameters",
+                                                     ignore=ignore_params)
         except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
-            error = f"rank {rank}: {type(e).__name__}: {e}"
+            error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
         r = join_refit(self.group, dst=dst if error is None else None, dst_tensors=tensors if error is None else {},
                        error=error, budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused,
                        timeout=self.timeout_s, verify=verify)
@@ -184,12 +177,7 @@ class SGLangRefit:
         """One refit (collective): ``copy_`` into the existing parameters, then the post-refit hooks."""
         if self.resharder is None:
             raise ReshardError("refit before prepare")
-        t0 = time.monotonic()
-        with torch.no_grad():
-            stats = self.resharder.refit(version)
-        if torch.cuda.is_available() and any(t.is_cuda for t in self.resharder.dst.values()):
-            torch.cuda.synchronize()
-        out = {"rank": self.rank, **stats, "seconds": round(time.monotonic() - t0, 3)}
+        out = timed_refit(self.resharder, self.rank, version)
         if post_refit:
             out["post_refit"] = self.post_refit(model, owners=owners)
         return out

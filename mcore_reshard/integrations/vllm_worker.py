@@ -38,8 +38,8 @@ import torch
 from ..executor import ReshardError, dtype_name
 from ..planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (build_layout, check_tensors, join_group, join_refit, layout_spec, leave_group, live_tensors,
-                       rank_part, spec_text)
+from .protocol import (engine_destination, join_group, join_refit, layout_spec, leave_group, live_tensors,
+                       timed_refit)
 
 MTP_PREFIX = "mtp."
 
@@ -146,24 +146,16 @@ class McoreReshardWorkerExtension:
         st = self._mr()
         if st.get("group") is None:
             raise ReshardError("mcore_reshard_prepare before mcore_reshard_join")
-        rank, error, part, tensors, mtp_on = st["rank"], None, None, {}, False
+        rank, mtp_on = st["rank"], False
         try:
             mtp_on = self._mr_has_drafter() if mtp == "auto" else bool(mtp)
-            tensors, aliases = live_tensors(self._mr_models(mtp_on))
+            live, aliases = live_tensors(self._mr_models(mtp_on))
             if spec is None:
                 if names == "auto":
-                    names = "current" if any(".routed_experts." in n for n in tensors) else "legacy"
+                    names = "current" if any(".routed_experts." in n for n in live) else "legacy"
                 spec = vllm_spec(self, st["rank_offset"], names=names, mtp=mtp_on, layout=layout)
-            full = build_layout(spec)
-            # a drafter sharing the target's memory (embedding / head): send this rank's part without
-            # those buffers; the shared tensor is written once, under the target's name
-            part = rank_part(full, rank, drop=aliases) if aliases else None
-            errs = check_tensors(part or full, rank, tensors, what="vLLM parameters", against=spec_text(spec),
-                                 ignore=ignore_params)
-            if errs:
-                error = " | ".join(errs)
-            dst = part if part is not None else spec
-            tensors = {n: t for n, t in tensors.items() if n in (part or full).buffers.get(rank, {})}
+            dst, tensors, error = engine_destination(rank, spec, live, aliases, what="vLLM parameters",
+                                                     ignore=ignore_params)
         except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
             error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
         t0 = time.monotonic()
@@ -181,12 +173,7 @@ class McoreReshardWorkerExtension:
         r = st.get("resharder")
         if r is None:
             raise ReshardError("mcore_reshard_refit before mcore_reshard_prepare")
-        t0 = time.monotonic()
-        with torch.no_grad():
-            stats = r.refit(version)
-        if torch.cuda.is_available() and any(t.is_cuda for t in r.dst.values()):
-            torch.cuda.synchronize()
-        out = {"rank": st["rank"], **stats, "seconds": round(time.monotonic() - t0, 3)}
+        out = timed_refit(r, st["rank"], version)
         if post_refit:
             out["post_refit"] = self.mcore_reshard_post_refit()
         return out
