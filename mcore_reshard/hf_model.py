@@ -114,14 +114,16 @@ def read_hf_layout(model: torch.nn.Module, rank: int, skip: tuple[str, ...] = ("
     rank's shards of the parameters transformers' tensor / expert parallelism turned into DTensors."""
     from .dtensor import DTensor
     styles = parallel_styles(model)
+    unknown = sorted((n, s) for n, s in styles.items() if s not in SHARDING_STYLES | HOOK_STYLES)
+    if unknown:
+        shown = ", ".join(f"{n} has transformers parallel style {s!r}" for n, s in unknown[:3])
+        raise LayoutError(f"rank {rank}: {shown}{f' (and {len(unknown) - 3} more)' if len(unknown) > 3 else ''}, "
+                          f"which mcore_reshard does not know (known: {sorted(SHARDING_STYLES | HOOK_STYLES)})")
     lay, tensors = Layout(), {}
     for name, t in sorted(module_tensors(model).items()):
         if any(s in name for s in skip):
             continue
         style = styles.get(name)
-        if style is not None and style not in SHARDING_STYLES | HOOK_STYLES:
-            raise LayoutError(f"rank {rank}: {name} has transformers parallel style {style!r}, which mcore_reshard "
-                              f"does not know (known: {sorted(SHARDING_STYLES | HOOK_STYLES)})")
         dtype = str(t.dtype).removeprefix("torch.")
         lay.add_tensor(name, tuple(t.shape), dtype)
         if isinstance(t, DTensor):

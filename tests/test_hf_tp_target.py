@@ -54,3 +54,37 @@ def test_from_pretrained_gives_the_same_layout():
     for res in spawn(hf_tp_refit_worker.pretrained_layouts, 2, cases, timeout=300):
         for r in res:
             assert r["same_layout"] and r["logits_max_diff"] <= 1e-5, r
+
+
+def _tiny_llama_with_tp_config(plan_override: dict | None = None):
+    import transformers
+    from transformers.distributed import DistributedConfig
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=128, tie_word_embeddings=False))
+    model.config.distributed_config = DistributedConfig(tp_size=2)   # declared, never applied: plain tensors
+    if plan_override:
+        model._tp_plan = {**model.tp_plan, **plan_override}
+    return model
+
+
+def test_plain_parameter_under_a_sharding_style_is_an_error():
+    from mcore_reshard.hf_model import parallel_styles, read_hf_layout
+    from mcore_reshard.layout import LayoutError
+    model = _tiny_llama_with_tp_config()
+    styles = parallel_styles(model)   # transformers' declared plan, resolved per parameter
+    assert styles["model.layers.0.self_attn.q_proj.weight"] == "colwise"
+    assert styles["model.layers.0.self_attn.o_proj.weight"] == "rowwise"
+    assert styles["model.embed_tokens.weight"] == "embedding_rowwise"
+    assert styles["lm_head.weight"] == "colwise_gather_output"
+    assert "model.norm.weight" not in styles
+    with pytest.raises(LayoutError, match=r"rank 3: lm_head.weight \(shape \(128, 64\)\) has style 'colwise_gather_output'.*not a DTensor"):
+        read_hf_layout(model, 3)
+
+
+def test_unknown_parallel_style_names_the_parameter():
+    from mcore_reshard.hf_model import read_hf_layout
+    from mcore_reshard.layout import LayoutError
+    model = _tiny_llama_with_tp_config({"model.layers.*.mlp.gate_proj": "my_fused_colwise"})
+    with pytest.raises(LayoutError, match=r"rank 0: model.layers.0.mlp.gate_proj.weight has transformers parallel style 'my_fused_colwise'"):
+        read_hf_layout(model, 0)
