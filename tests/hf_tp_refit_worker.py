@@ -57,12 +57,12 @@ def hf_reference(full: dict, cfg, kind: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def world_reference(chunks) -> dict[str, torch.Tensor]:
-    """Every rank's ``reference_full`` (its pipeline stage's layers, its experts), merged over the world."""
+def world_reference(chunks, ranks: int) -> dict[str, torch.Tensor]:
+    """The ``reference_full`` of ranks ``[0, ranks)`` (each: its pipeline stage's layers, its experts), merged."""
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, reference_full(chunks))
     merged = {}
-    for part in parts:
+    for part in parts[:ranks]:
         for name, t in part.items():
             if name in merged and not torch.equal(merged[name], t):
                 raise AssertionError(f"reference {name} differs between ranks")
@@ -112,20 +112,24 @@ def check_shards(model, ref: dict) -> list[str]:
 
 
 def hf_tp_scenarios(rank: int, world: int, cases: list) -> list:
-    """Each case: {"model": gqa|qwen3|dsv3, "src": Megatron sizes, "kw": builder kw, "hf_ep": EP size of the HF model}."""
+    """Each case: {"model": gqa|qwen3|dsv3, "src": Megatron sizes, "kw": builder kw, "hf_ep": EP size of the HF model,
+    "src_ranks": n}.  With ``src_ranks < world`` only ranks [0, n) hand their Megatron chunks to the refit (the source is
+    built with dp slowest, so they hold one whole replica): the HF shards of the other ranks arrive over the network only."""
     from mcore_reshard.hf_model import parallel_styles, read_hf_layout
     from mcore_reshard.refit import MegatronRefit
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []
     for case in cases:
         kind = case["model"]
-        chunks = _build(kind, case["src"], torch.float32, case.get("kw", {}))
+        src_ranks = case.get("src_ranks", world)
+        chunks = _build(kind, case["src"], torch.float32, case.get("kw", {}),
+                        "tp-cp-ep-dp-pp" if src_ranks == world else "tp-cp-ep-pp-dp")
         perturb_replicated(chunks)
         logits = mcore_cpu.forward_logits(chunks, tokens)
-        ref = hf_reference(world_reference(chunks), chunks[0].config, kind)
+        ref = hf_reference(world_reference(chunks, src_ranks), chunks[0].config, kind)
         model = sharded_hf_model(*hf_model_config(kind, chunks), tp=world, ep=case.get("hf_ep", 1))
         target = read_hf_layout(model, rank)
-        refit = MegatronRefit(chunks, group=None, target=target, ignore_unused=kind == "dsv3")
+        refit = MegatronRefit(chunks if rank < src_ranks else [], group=None, target=target, ignore_unused=kind == "dsv3")
         refit.refit()
         with torch.no_grad():
             hf_logits = model(tokens).logits.float()
@@ -135,11 +139,16 @@ def hf_tp_scenarios(rank: int, world: int, cases: list) -> list:
             "sharded": sorted(b.name for b in layout.buffers[rank].values() if b.shape != layout.tensors[b.name].shape),
             "logits_max_diff": float((hf_logits - logits).abs().max()),
             "same_argmax": bool((hf_logits.argmax(-1) == logits.argmax(-1)).all()),
-            "network_bytes": refit.plan.stats["network_bytes"], "lower_bound_bytes": refit.plan.stats["lower_bound_bytes"],
+            "network_bytes": refit.plan.stats["network_bytes"], "received": _received(refit.plan, rank), "lower_bound_bytes": refit.plan.stats["lower_bound_bytes"],
             "unused": refit.plan.stats["unused_tensors"]})
         mcore_cpu.destroy_megatron()
         dist.barrier()
     return out
+
+
+def _received(plan, rank: int) -> int:
+    """Bytes the plan sends to ``rank`` from other ranks."""
+    return sum(m.nbytes for m in plan.messages if m.dst == rank and m.src != rank)
 
 
 def pretrained_layouts(rank: int, world: int, cases: list) -> list:

@@ -23,6 +23,7 @@ CASES = [
     {"model": "qwen3", "src": {"tp": 2, "ep": 2}},                      # -> Qwen3-MoE TP4 (packed_colwise experts)
     {"model": "dsv3", "src": {"tp": 2, "pp": 2, "ep": 2, "etp": 1},     # -> DeepSeek-V3 TP4 + EP4 (grouped_gemm)
      "kw": {"mtp": True, "topk": 4}, "hf_ep": 4},
+    {"model": "gqa", "src": {"tp": 2}, "src_ranks": 2},               # source on ranks 0-1 only -> Llama TP4
 ]
 STYLES = {
     "gqa": {"colwise", "rowwise", "embedding_rowwise", "colwise_gather_output"},
@@ -43,6 +44,8 @@ def test_megatron_to_transformers_tensor_parallel():
             assert res["logits_max_diff"] <= 1e-4 and res["same_argmax"], (case["model"], rank, res["logits_max_diff"])
             assert res["network_bytes"] == res["lower_bound_bytes"] > 0
             assert all(n.startswith("model.layers.4.") for n in res["unused"])   # DeepSeek-V3's MTP layer only
+        if case.get("src_ranks"):   # ranks 2-3 hold no source: all their shards came over the network
+            assert all(results[r][i]["received"] > 0 for r in (2, 3))
         if case["model"] == "qwen3":
             assert "model.layers.0.mlp.experts.gate_up_proj" in results[0][i]["sharded"]
 
