@@ -91,3 +91,20 @@ def test_unknown_parallel_style_names_the_parameter():
     model = _tiny_llama_with_tp_config({"model.layers.*.mlp.gate_proj": "my_fused_colwise"})
     with pytest.raises(LayoutError, match=r"rank 0: model.layers.0.mlp.gate_proj.weight has transformers parallel style 'my_fused_colwise'"):
         read_hf_layout(model, 0)
+
+
+def test_layout_boxes_follow_the_declared_plans():
+    """No Megatron: transformers shards tiny models with the plans their config classes declare; every box
+    read_hf_layout reports equals the one written out by hand for the parameter's style, on every rank."""
+    import re
+    import hf_tp_layout_worker
+    for rank, res in enumerate(spawn(hf_tp_layout_worker.layout_boxes, 2, timeout=300)):
+        for r in res:
+            assert r["bad"] == [], (r["kind"], r["ep"], rank, r["bad"][:3])
+            generic = {re.sub(r"\.\d+\.", ".*.", n) for n in r["sharded"]}
+            assert {"model.embed_tokens.weight", "lm_head.weight"} <= generic
+            for key in r["declared"]:   # every rule of config.base_model_tp_plan that names weights shards them
+                if key.endswith("mlp.experts") or "_norm" in key:
+                    continue   # module hooks (moe_tp_experts) and replicated norms
+                hits = [g for g in generic if g.startswith("model." + key)]
+                assert hits or (r["kind"] == "qwen3" and key.split(".")[-1] in ("gate_proj", "up_proj", "down_proj")), (r["kind"], key)
