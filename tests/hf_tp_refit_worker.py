@@ -134,8 +134,12 @@ def hf_tp_scenarios(rank: int, world: int, cases: list) -> list:
         with torch.no_grad():
             hf_logits = model(tokens).logits.float()
         layout, _ = target
+        bad = check_shards(model, ref)
+        perturb_replicated(chunks, step=1)   # the next optimizer step: refit again into the same shards
+        refit.refit()
+        bad_again = check_shards(model, hf_reference(world_reference(chunks, src_ranks), chunks[0].config, kind))
         out.append({
-            "bad": check_shards(model, ref), "styles": sorted(set(parallel_styles(model).values())),
+            "bad": bad, "bad_after_second_refit": bad_again, "styles": sorted(set(parallel_styles(model).values())),
             "sharded": sorted(b.name for b in layout.buffers[rank].values() if b.shape != layout.tensors[b.name].shape),
             "logits_max_diff": float((hf_logits - logits).abs().max()),
             "same_argmax": bool((hf_logits.argmax(-1) == logits.argmax(-1)).all()),

@@ -39,6 +39,7 @@ def test_megatron_to_transformers_tensor_parallel():
         for rank, r in enumerate(results):
             res = r[i]
             assert res["bad"] == [], (case["model"], rank, res["bad"][:5])
+            assert res["bad_after_second_refit"] == [], (case["model"], rank, res["bad_after_second_refit"][:5])
             assert set(res["styles"]) == STYLES[case["model"]], res["styles"]
             assert len(res["sharded"]) > 10, res["sharded"]
             assert res["logits_max_diff"] <= 1e-4 and res["same_argmax"], (case["model"], rank, res["logits_max_diff"])
