@@ -16,7 +16,8 @@ Disaggregated: training ranks pass ``dst_chunks=[]``, inference ranks ``src_chun
 
 Any other target (Hugging Face, vLLM, SGLang) is passed as ``target=(layout, tensors)``: this
 rank's part of the target layout in canonical names and its real tensors, e.g.
-``hf_model.read_hf_layout(hf_model, rank)``.  Source tensors the target does not hold (the MTP layer
+``hf_model.read_hf_layout(hf_model, rank)`` (a whole model, or this rank's DTensor shards of a model
+sharded by transformers' own tensor / expert parallel plans).  Source tensors the target does not hold (the MTP layer
 for a transformers model) are dropped only with ``ignore_unused=True`` and listed in
 ``plan.stats["unused_tensors"]``.
 """

@@ -157,13 +157,26 @@ def gqa_hf_expected(full: dict, cfg) -> dict:
     return out
 
 
+def gqa_hf_config(kind: str, cfg, vocab: int):
+    """(model class, config) of the transformers Llama ("gqa") or Qwen3-MoE ("qwen3") matching a tiny Megatron config."""
+    import transformers
+    common = dict(vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
+                  head_dim=cfg.kv_channels, intermediate_size=cfg.ffn_hidden_size, rms_norm_eps=cfg.layernorm_epsilon,
+                  rope_theta=getattr(cfg, "rotary_base", 10000), max_position_embeddings=64, tie_word_embeddings=False)
+    if kind == "gqa":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        num_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False, **common)
+
+
 def hf_gqa_scenarios(rank: int, world: int, cases: list) -> list:
     """Llama (dense GQA) and Qwen3-MoE: Megatron -> live transformers model on rank 0."""
     from mcore_reshard.hf_model import read_hf_layout
     from mcore_reshard.layout import Layout
     from mcore_reshard.refit import MegatronRefit
     from megatron_refit_worker import reference_full
-    import transformers
     mcore_cpu.install_cpu_shims()
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []
@@ -175,17 +188,8 @@ def hf_gqa_scenarios(rank: int, world: int, cases: list) -> list:
         expected = gqa_hf_expected(reference_full(chunks), cfg)
         model, target = None, (Layout(), {})
         if rank == 0:
-            common = dict(vocab_size=chunks[0].vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                          num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
-                          head_dim=cfg.kv_channels, intermediate_size=cfg.ffn_hidden_size, rms_norm_eps=cfg.layernorm_epsilon,
-                          rope_theta=getattr(cfg, "rotary_base", 10000), max_position_embeddings=64, tie_word_embeddings=False)
-            if case["model"] == "gqa":
-                model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common))
-            else:
-                model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-                    num_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False, **common))
-            model.eval()
+            model_cls, hf_cfg = gqa_hf_config(case["model"], cfg, chunks[0].vocab_size)
+            model = model_cls(hf_cfg).eval()
             target = read_hf_layout(model, rank)
         refit = MegatronRefit(chunks, group=None, target=target)
         refit.refit()
