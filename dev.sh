@@ -19,7 +19,7 @@ find_python() {
 }
 
 setup() {
-  if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers' 2>/dev/null; then
+  if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm' 2>/dev/null; then
     return 0
   fi
   py=$(find_python)
@@ -28,7 +28,7 @@ setup() {
   "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
   "$VENV/bin/pip" install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
   "$VENV/bin/pip" install -q -e ".[megatron,test]" 2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers'
+  "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm'
 }
 
 # The core (layouts, planner, executor) needs only torch and works on Python >= 3.10: check it on
