@@ -37,7 +37,7 @@ CORE_TESTS="tests/test_planner_properties.py tests/test_planner_cases.py tests/t
   tests/test_executor_multiproc.py tests/test_dtensor.py tests/test_family_rules.py tests/test_targets.py"
 core311() {
   local venv=${VENV}-py311
-  if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis' 2>/dev/null; then
+  if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis, tqdm' 2>/dev/null; then
     echo "[dev.sh] creating $venv with Python 3.11 (torch 2.13.0 CPU wheel, no megatron-core)" >&2
     PYENV_VERSION=3.11.7 python3.11 -m venv "$venv"
     "$venv/bin/pip" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 tqdm==4.70.1 2>&1 | grep -v '^WARNING: Location' || true
