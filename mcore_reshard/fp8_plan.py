@@ -5,8 +5,10 @@
 quantizes which 128x128 block -- each block exactly once -- and how the results travel:
 
 * **ownership**: a block lying wholly inside one source box is quantized by one of that box's
-  holders (replicas split the box's aligned interior by block rows, least-loaded first, ties to the
-  lowest rank); a block cut by source boxes is owned by a holder of its largest part;
+  holders (replicas split the box's aligned interior by block rows; holders that are destinations
+  of the block are preferred, so colocated ranks quantize what they keep; otherwise least-loaded
+  first, ties to the lowest rank); a block cut by source boxes is owned by a holder of its largest
+  part (a destination first, then least-loaded);
 * **stage A (assembly)**: cut blocks are gathered on their owner into temporary buffers by an
   ordinary :func:`~mcore_reshard.planner.make_plan` (its network bytes are the assembly cost; the
   owner's own part is a local copy);
@@ -214,18 +216,36 @@ def _split_among(grid: Box, n: int) -> list[Box]:
     return out
 
 
-def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int]) -> list[Region]:
-    """Every block of every tensor in ``tensors`` owned exactly once (see the module doc)."""
+def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], dst: Layout | None = None) -> list[Region]:
+    """Every block of every tensor in ``tensors`` owned exactly once (see the module doc).
+
+    With ``dst``, owners are chosen where the quantized bytes are needed: the aligned interior of
+    a source box is split among the holders that are destinations of some of it (each part to the
+    one needing most of it), or among all its holders when none is; a cut block goes to a holder of
+    its largest part, preferring one that needs it.  Remaining ties: least-loaded, then lowest rank.
+    """
     index = _source_index(restrict(src, set(tensors)))
+    wants: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    if dst is not None:
+        for r, _, p in dst.iter_pieces():
+            if p.tensor in index:
+                wants[p.tensor].append((r, p.box))
     load: dict[int, int] = defaultdict(int)         # elements quantized per rank so far
     regions: list[Region] = []
 
-    def pick(ranks):
-        return min(ranks, key=lambda q: (load[q], q))
+    def need(name: str, rank: int, box: Box) -> int:
+        n = 0
+        for q, b in wants[name]:
+            if q == rank:
+                inter = b.intersect(box)
+                n += inter.numel if inter is not None else 0
+        return n
+
+    def pick(name: str, ranks, box: Box) -> int:
+        return min(ranks, key=lambda q: (-need(name, q, box), load[q], q))
 
     for name in tensors:
-        meta = src.tensors[name]
-        shape = meta.shape
+        shape = src.tensors[name].shape
         items = index.get(name, [])
         k = 0
         boundary: list[Box] = []
@@ -238,13 +258,14 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int]) ->
             rest = [touched]
             if inner is not None:
                 rest = subtract(touched, inner)
-                parts = sorted(_split_among(inner, len(first)), key=lambda b: (-b.numel, b))
-                free = set(first)
-                for part in parts:           # largest part to the least-loaded replica, one part each
-                    r = pick(free)
+                ibox = _elements(inner, shape, block)
+                free = {q for q in first if need(name, q, ibox)} or set(first)
+                parts = sorted(_split_among(inner, len(free)), key=lambda b: (-b.numel, b))
+                for part in parts:           # largest part first, one part per replica
+                    ebox = _elements(part, shape, block)
+                    r = pick(name, free, ebox)
                     free.discard(r)
                     hr, hb, hp = first[r]
-                    ebox = _elements(part, shape, block)
                     regions.append(Region(name, ebox, part, r, "shard", hb, hp.local_of(ebox),
                                           f"fp8/q/{name}/{k}", f"fp8/s/{name}/{k}"))
                     load[r] += ebox.numel
@@ -252,18 +273,15 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int]) ->
             for b in rest:
                 boundary.append(b)
                 owners_of.append(i)
-        if not boundary:
-            continue
-        for atom, idx in _atoms(boundary):
+        for atom, idx in _atoms(boundary) if boundary else ():
             ebox = _elements(atom, shape, block)
-            best, best_n = None, -1
-            for j in sorted(idx):
+            parts = {}
+            for j in idx:
                 inter = items[owners_of[j]][0].intersect(ebox)
-                n = inter.numel if inter is not None else 0
-                if n > best_n:
-                    best, best_n = owners_of[j], n
-            holders = sorted({h[0] for h in items[best][1]})
-            r = pick(holders)
+                parts[owners_of[j]] = inter.numel if inter is not None else 0
+            top = max(parts.values())
+            holders = sorted({h[0] for i, n in parts.items() if n == top for h in items[i][1]})
+            r = pick(name, holders, ebox)
             load[r] += ebox.numel
             regions.append(Region(name, ebox, atom, r, "assembled", f"fp8/asm/{name}/{k}", Box.full(ebox.sizes),
                                   f"fp8/q/{name}/{k}", f"fp8/s/{name}/{k}"))
@@ -357,7 +375,7 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     rest = make_plan(restrict(src, rest_names), restrict(dst, rest_names, whole=True, keep_empty=True),
                      budget_bytes=budget_bytes, allow_cast=allow_cast)
     names = sorted(quantized)
-    regions = plan_regions(src, names, b)
+    regions = plan_regions(src, names, b, dst)
     by_tensor: dict[str, list[Region]] = defaultdict(list)
     for g in regions:
         by_tensor[g.tensor].append(g)
