@@ -95,6 +95,11 @@ class Fp8Resharder:
         extra = sorted(set(dst) - want_dst)
         if extra:
             errors.append(f"rank {rank}: {len(extra)} dst tensor(s) the FP8 plan never writes: {', '.join(extra[:8])}")
+        for g in plan.groups:
+            for reg in g.regions:
+                if reg.owner == rank and reg.kind == "shard" and reg.input not in src:
+                    errors.append(f"rank {rank}: source tensor {reg.input} (to quantize {reg.tensor}{reg.box}) is missing")
+                    break
         agree(group, plan.hash, errors, timeout=timeout)
         tensors = list(dst.values()) + list(src.values())
         device = tensors[0].device if tensors else torch.device("cpu")
