@@ -109,6 +109,27 @@ def test_unaligned_targets_are_refused_with_the_reason():
     _fp8(vllm_layout(dsv3_671b(), tp=32, enable_expert_parallel=True).__class__())  # empty layout: no-op
 
 
+def test_partial_block_must_end_its_buffer_and_plan_checks_the_block():
+    from mcore_reshard.layout import stacked
+    lay = Layout()
+    lay.add_tensor("kv.weight", (24, 32), "bfloat16")
+    lay.add_tensor("q.weight", (32, 32), "bfloat16")
+    ok = stacked("f", "bfloat16", [("q.weight", Box.full((32, 32))), ("kv.weight", Box.full((24, 32)))])
+    bad = stacked("g", "bfloat16", [("kv.weight", Box.full((24, 32))), ("q.weight", Box.full((32, 32)))])
+    lay.add_buffer(0, ok)
+    f = fp8_target(lay, {"q.weight", "kv.weight"}, (16, 16))
+    assert f.buffers[0]["f_scale_inv"].shape == (2 + 2, 2)          # [q 2 block rows; kv 2 (one ragged)]
+    lay.add_buffer(1, bad)
+    with pytest.raises(LayoutError, match=r"rank 1 buffer g: kv.weight\[0:24, 0:32\].*partial last block at 24"):
+        fp8_target(lay, {"q.weight", "kv.weight"}, (16, 16))
+    src = Layout()
+    for n, shape in (("q.weight", (32, 32)), ("kv.weight", (24, 32))):
+        src.add_tensor(n, shape, "bfloat16")
+        src.add_buffer(2, Buffer(n, shape, "bfloat16", (Piece(n, Box.full(shape), Box.full(shape)),)))
+    with pytest.raises(ValueError, match=r"scale tensor kv.weight_scale_inv \[3, 4\] float32 for block \(8, 8\)"):
+        make_fp8_plan(src, f, (8, 8))
+
+
 # ----------------------------------------------------------------------------------- planning
 
 def _rows_layout():
