@@ -279,3 +279,14 @@ def test_live_gloo_refit_bit_identical_to_reference():
         s = per[0]["stats"]
         assert s["assembly_network_bytes"] > 0 and s["fp8_weight_network_bytes"] < s["bf16_network_bytes"]
     assert res[0][1]["stats"]["groups"] == 3 and res[0][0]["stats"]["groups"] == 1   # 1 KiB budget: one tensor per group
+
+
+def test_cli_plan_fp8(capsys):
+    from mcore_reshard.cli import main
+    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2", "--dtype", "bfloat16",
+                 "--fp8", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 block 16x16" in out and "(BF16 refit of the same layouts:" in out, out
+    assert "assembly (cut blocks)  2,048 B over network" in out, out   # kv_a 12|12 rows: 4 x 64 x 2 B in 4 layers
+    with pytest.raises(LayoutError, match="not a multiple of the 32 block"):
+        main(["plan", "--model", "dsv3-tiny", "--src", "tp=2", "--dst", "vllm:tp=2", "--dtype", "bfloat16", "--fp8", "32"])
