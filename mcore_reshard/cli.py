@@ -105,7 +105,35 @@ def _plan(args):
     return src, dst, plan, seconds
 
 
+def cmd_plan_fp8(args) -> int:
+    """``plan --fp8 128``: the destination in block-FP8 (scales included), quantized in transit."""
+    from .fp8_layout import fp8_target
+    from .fp8_plan import make_fp8_plan, quantized_tensors
+    from .progress import Steps
+    if args.model == "synthetic" and not args.config:
+        raise ValueError("--fp8 needs a model preset or --config (which tensors are quantized is family knowledge)")
+    block = (args.fp8, args.fp8)
+    with Steps(3, "plan --fp8") as steps:
+        src, dst = _layouts(args, steps)
+        dst = fp8_target(dst, quantized_tensors(dst, _model_config(args).family, block), block)
+        steps.step(f"planning FP8 {block[0]}x{block[1]}: {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks")
+        t0 = time.perf_counter()
+        plan = make_fp8_plan(src, dst, block, budget_bytes=int(args.budget_mib * (1 << 20)),
+                             allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True)
+    print(f"source {args.src} ({len(src.ranks)} ranks) -> destination {args.dst} in FP8 ({len(dst.ranks)} ranks, "
+          f"{'colocated' if args.colocated else 'disaggregated'})")
+    print(plan.summary())
+    print(f"plan hash          {plan.hash[:16]}  built in {time.perf_counter() - t0:.3f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.dumps())
+        print(f"plan written to {args.out}")
+    return 0
+
+
 def cmd_plan(args) -> int:
+    if getattr(args, "fp8", None):
+        return cmd_plan_fp8(args)
     src, dst, plan, seconds = _plan(args)
     s = plan.stats
     print(f"source {args.src} ({len(src.ranks)} ranks) -> destination {args.dst} ({len(dst.ranks)} ranks, "
@@ -235,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "plan":
             p.add_argument("--out", help="write the plan as JSON to this file")
             p.add_argument("--heatmap", help="write the sender x receiver traffic heatmap as PNG to this file")
+            p.add_argument("--fp8", type=int, metavar="BLOCK", help="quantize in transit to block-FP8 with BLOCKxBLOCK "
+                           "scales (e.g. 128, DeepSeek-V3's format); prints assembly, FP8 and BF16 bytes")
             p.add_argument("--hardware", default="dgx_h100", choices=["dgx_h100", "gb200_nvl72", "gb200_nvl72_800g"],
                            help="hardware preset for the predicted refit time (default: dgx_h100)")
         p.set_defaults(func=func)

@@ -138,6 +138,28 @@ def _check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str
     return errors
 
 
+def _per_round(plan: Plan, rank: int) -> dict[int, tuple[list, list]]:
+    per_round: dict[int, tuple[list, list]] = {}
+    for m in plan.messages:
+        if m.src == rank:
+            per_round.setdefault(m.round, ([], []))[0].append(m)
+        if m.dst == rank:
+            per_round.setdefault(m.round, ([], []))[1].append(m)
+    return per_round
+
+
+def staging_sizes(plan: Plan, rank: int, verify: bool = False) -> tuple[int, int]:
+    """(send, receive) staging bytes a :class:`Resharder` of ``plan`` needs on ``rank``.  Several
+    Resharders that never run at the same time may share one pair of staging buffers of the
+    largest sizes (``staging=``), as the FP8 refit's per-group plans do."""
+    trailer = _CS_BYTES if verify else 0
+    send_size = recv_size = 0
+    for sends, recvs in _per_round(plan, rank).values():
+        send_size = max(send_size, sum(m.nbytes + trailer * len(m.entries) for m in sends))
+        recv_size = max(recv_size, sum(m.nbytes + trailer * len(m.entries) for m in recvs))
+    return send_size, recv_size
+
+
 def _group_ranks_hint(world: int) -> str:
     return f"0..{world - 1}" if world else "none"
 
@@ -284,11 +306,15 @@ class Resharder:
     ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
     must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
     ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
-    the same everywhere).
+    the same everywhere).  ``staging``: (send, receive) uint8 tensors to use instead of allocating
+    staging buffers, when at least :func:`staging_sizes` bytes (shared by Resharders run one after
+    another).
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
-                 group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True):
+                 group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
+                 staging: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self._shared_staging = staging
         self.plan = plan
         self.group = group
         self.rank = dist.get_rank(group)
@@ -335,19 +361,15 @@ class Resharder:
                       for c in plan.local_copies if c.dst == r]
         self.padding = [(self.dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == r]
         trailer = _CS_BYTES if self.verify else 0
-        send_size = recv_size = 0
-        per_round: dict[int, tuple[list, list]] = {}
-        for m in plan.messages:
-            if m.src == r:
-                per_round.setdefault(m.round, ([], []))[0].append(m)
-            if m.dst == r:
-                per_round.setdefault(m.round, ([], []))[1].append(m)
-        for sends, recvs in per_round.values():
-            send_size = max(send_size, sum(m.nbytes + trailer * len(m.entries) for m in sends))
-            recv_size = max(recv_size, sum(m.nbytes + trailer * len(m.entries) for m in recvs))
+        per_round = _per_round(plan, r)
+        send_size, recv_size = staging_sizes(plan, r, self.verify)
         device = self._device()
-        self.send_staging = torch.empty(send_size, dtype=torch.uint8, device=device)
-        self.recv_staging = torch.empty(recv_size, dtype=torch.uint8, device=device)
+        shared = self._shared_staging
+        if shared is not None and shared[0].numel() >= send_size and shared[1].numel() >= recv_size:
+            self.send_staging, self.recv_staging = shared[0][:send_size], shared[1][:recv_size]
+        else:
+            self.send_staging = torch.empty(send_size, dtype=torch.uint8, device=device)
+            self.recv_staging = torch.empty(recv_size, dtype=torch.uint8, device=device)
         self.rounds: list[_Round] = []
         self.round_numbers: list[int] = []
         # stage at which each destination buffer is first / last written (-1: local copies and padding)

@@ -6,7 +6,10 @@ Tables live in ``layouts/<family>.toml`` (shipped as ``mcore_reshard.layouts``).
 * ``[[layer_prefix]]`` entries, e.g. ``decoder.layers.{L}.`` -> ``model.layers.{L}.`` and
   ``mtp.layers.{K}.transformer_layer.`` -> ``model.layers.{K+num_layers}.``;
 * ``[[layer]]`` entries, key suffixes inside a layer (``self_attention.linear_proj.weight``);
-* ``ignore``: regexes of keys that carry no weights for inference.
+* ``ignore``: regexes of keys that carry no weights for inference;
+* ``[fp8]`` (optional): ``not_quantized`` regexes of canonical tensors a block-FP8 checkpoint keeps
+  in high precision, ``halves`` regexes of ``[gate; up]`` tensors quantized half by half, the
+  default ``block`` (see :mod:`mcore_reshard.fp8_layout`).
 
 Each entry has ``megatron``, ``hf`` (one name or a list) and a ``rule``:
 
@@ -31,6 +34,7 @@ from importlib import resources
 from typing import Mapping, Sequence
 
 from .box import Box
+from .fp8_layout import Fp8Rules
 from .layout import Buffer, Layout, LayoutError, Piece
 
 try:
@@ -61,6 +65,13 @@ class Family:
     layer_prefixes: tuple[tuple[str, str], ...]
     layer_rules: tuple[Rule, ...]
     ignore: tuple[str, ...]
+    fp8: "Fp8Rules | None" = None     # ``[fp8]``: which canonical tensors a block-FP8 checkpoint quantizes
+
+    def fp8_rules(self) -> "Fp8Rules":
+        if self.fp8 is None:
+            raise FamilyError(f"family {self.name} has no [fp8] section in layouts/{self.name}.toml: "
+                              "which of its tensors an FP8 checkpoint quantizes is unknown")
+        return self.fp8
 
     def is_ignored(self, key: str) -> bool:
         return any(re.search(p, key) for p in self.ignore)
@@ -120,7 +131,7 @@ def parse_family(text: str, name: str = "<table>") -> Family:
     data = tomllib.loads(text)
     return Family(data.get("name", name), data.get("doc", ""), _rules(data.get("global")),
                   tuple((p["megatron"], p["hf"]) for p in data.get("layer_prefix", ())),
-                  _rules(data.get("layer")), tuple(data.get("ignore", ())))
+                  _rules(data.get("layer")), tuple(data.get("ignore", ())), Fp8Rules.from_table(data.get("fp8")))
 
 
 @lru_cache(maxsize=None)

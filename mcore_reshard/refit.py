@@ -20,6 +20,12 @@ rank's part of the target layout in canonical names and its real tensors, e.g.
 sharded by transformers' own tensor / expert parallel plans).  Source tensors the target does not hold (the MTP layer
 for a transformers model) are dropped only with ``ignore_unused=True`` and listed in
 ``plan.stats["unused_tensors"]``.
+
+FP8 in transit: ``target=(fp8_layout, tensors), quantize=Fp8(block=(128, 128))`` with
+``fp8_layout = fp8_target(bf16_layout, quantized_tensors(bf16_layout), block)``: BF16 shards are
+quantized per block of the global tensor, each block once, and sent as e4m3 bytes plus fp32 scales
+(:mod:`mcore_reshard.fp8_plan`); ``plan`` is then an ``Fp8Plan`` whose stats hold the assembly,
+FP8 and the plain BF16 refit's bytes side by side.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import torch.distributed as dist
 
 from .executor import ReshardError, Resharder, agree, all_gather_json
 from .family import canonicalize, load_family
+from .fp8_plan import make_fp8_plan
+from .fp8_refit import Fp8Resharder
 from .layout import Layout
 from .megatron_model import family_for, model_config, read_layout
 from .planner import DEFAULT_BUDGET, make_plan
@@ -77,7 +85,7 @@ class MegatronRefit:
     def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
-                 timeout: float | None = None, verify: bool = False):
+                 timeout: float | None = None, verify: bool = False, quantize=None):
         rank = dist.get_rank(group)
         payload, src_t, dst_t = {"error": None}, {}, {}
         try:
@@ -112,12 +120,22 @@ class MegatronRefit:
             dst = _merge([p["dst"] for p in parts])
             self.src_layout = canonicalize(src, self.family, config)
             self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
-            self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
-                                  ignore_unused=ignore_unused)
+            if quantize is not None:
+                if not canonical_dst:
+                    raise ReshardError("quantize= needs target=(fp8_layout, tensors) (an FP8 engine layout)")
+                self.plan = make_fp8_plan(self.src_layout, self.dst_layout, quantize.block, budget_bytes=budget_bytes,
+                                          memory_bytes=quantize.memory_bytes, allow_cast=allow_cast,
+                                          ignore_unused=ignore_unused)
+            else:
+                self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes,
+                                      allow_cast=allow_cast, ignore_unused=ignore_unused)
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             agree(group, "00" * 32, [f"{type(e).__name__}: {e}"], timeout=timeout)
             raise  # unreachable: agree raises on every rank
-        self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
+        if quantize is not None:
+            self.resharder = Fp8Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
+        else:
+            self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
 
     def refit(self, version: int | None = None) -> dict:
         return self.resharder.refit(version)

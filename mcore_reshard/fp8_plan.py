@@ -1,0 +1,477 @@
+"""Quantization plan: BF16 source shards -> block-FP8 target shards (pure: no torch).
+
+``make_fp8_plan(src, dst, block)`` takes a BF16 (or fp32) source layout and an FP8 target layout
+(:func:`mcore_reshard.fp8_layout.fp8_target`) and decides, for every quantized tensor, which rank
+quantizes which 128x128 block -- each block exactly once -- and how the results travel:
+
+* **ownership**: a block lying wholly inside one source box is quantized by one of that box's
+  holders (replicas split the box's aligned interior by block rows; holders that are destinations
+  of the block are preferred, so colocated ranks quantize what they keep; otherwise least-loaded
+  first, ties to the lowest rank); a block cut by source boxes is owned by a holder of its largest
+  part (a destination first, then least-loaded);
+* **stage A (assembly)**: cut blocks are gathered on their owner into temporary buffers by an
+  ordinary :func:`~mcore_reshard.planner.make_plan` (its network bytes are the assembly cost; the
+  owner's own part is a local copy);
+* **quantize** on the owner (executor: :mod:`mcore_reshard.fp8_refit`) into temporary FP8 and
+  fp32-scale buffers, one pair per owned region;
+* **stage B**: an ordinary ``make_plan`` from those temporaries (a "quantized source layout") to the
+  target's weight and ``weight_scale_inv`` shards;
+* unquantized tensors (norms, router, embedding, head) follow one ordinary BF16 plan (``rest``).
+
+Tensors are chunked into groups (tensors sharing a destination buffer stay together) so that each
+rank's temporaries fit ``memory_bytes``; every group is planned on its own, and one arena per rank
+(the largest group) holds the temporaries of every group in turn.
+
+Example, ``[40, 32]`` bf16, block 16, source tp=2 over rows on ranks 0-1 (rows 0:20 | 20:40),
+destination whole on rank 2::
+
+    block rows | held by            | owner | how
+    0:16       | rank 0             | 0     | quantized in place from rank 0's shard
+    16:32      | rank 0 (4 rows),   | 1     | stage A: rank 0 sends rows 16:20 (4x32x2 = 256 B) to
+               | rank 1 (12 rows)   |       |  rank 1, which copies rows 20:32 locally
+    32:40      | rank 1             | 1     | ragged last block, in place
+    stage B: 40x32 e4m3 (1280 B) + 3x2 fp32 scales (24 B) to rank 2, against 2560 B in BF16.
+
+The plan is plain data (JSON, never pickle) with one combined sha256 :attr:`Fp8Plan.hash`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .box import Box, split_sizes, subtract
+from .fp8_layout import FP8, SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
+from .layout import Buffer, Layout, Piece, itemsize
+from .planner import ALIGN, DEFAULT_BUDGET, Plan, PlanError, _atoms, _source_index, make_plan
+
+FP8_PLAN_VERSION = 1
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Region:
+    """``owner`` quantizes element box ``box`` (block box ``grid``) of ``tensor``.  ``kind`` is
+    ``"shard"`` (read in place from source buffer ``input`` at ``input_local``) or ``"assembled"``
+    (read from the temporary buffer ``input`` that stage A fills).  Results go to temporaries
+    ``q_buffer`` (float8_e4m3fn, shape of ``box``) and ``s_buffer`` (fp32, shape of ``grid``)."""
+    tensor: str
+    box: Box
+    grid: Box
+    owner: int
+    kind: str
+    input: str
+    input_local: Box
+    q_buffer: str
+    s_buffer: str
+
+    def to_json(self) -> list:
+        return [self.tensor, self.box.to_json(), self.grid.to_json(), self.owner, self.kind, self.input,
+                self.input_local.to_json(), self.q_buffer, self.s_buffer]
+
+    @staticmethod
+    def from_json(o) -> "Region":
+        return Region(o[0], Box.from_json(o[1]), Box.from_json(o[2]), o[3], o[4], o[5], Box.from_json(o[6]), o[7], o[8])
+
+
+@dataclass
+class Fp8Group:
+    tensors: list[str]
+    regions: list[Region]
+    assembly: Plan | None                         # stage A (None: no cut blocks in this group)
+    stage_b: Plan
+    temp: dict[int, dict[str, list]]              # rank -> temp buffer -> [shape, dtype, arena offset]
+
+    def to_json(self) -> dict:
+        return {"tensors": self.tensors, "regions": [r.to_json() for r in self.regions],
+                "assembly": None if self.assembly is None else self.assembly.to_json(),
+                "stage_b": self.stage_b.to_json(),
+                "temp": {str(r): t for r, t in sorted(self.temp.items())}}
+
+    @staticmethod
+    def from_json(o) -> "Fp8Group":
+        return Fp8Group(list(o["tensors"]), [Region.from_json(r) for r in o["regions"]],
+                        None if o["assembly"] is None else Plan.from_json(o["assembly"]), Plan.from_json(o["stage_b"]),
+                        {int(r): t for r, t in o["temp"].items()})
+
+
+@dataclass
+class Fp8Plan:
+    block: tuple[int, int]
+    quantized: list[str]
+    rest: Plan                                    # unquantized tensors, one ordinary plan
+    groups: list[Fp8Group]
+    arena: dict[int, int]                         # rank -> bytes of its temporaries (largest group)
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"version": FP8_PLAN_VERSION, "block": list(self.block), "quantized": self.quantized,
+                "rest": self.rest.to_json(), "groups": [g.to_json() for g in self.groups],
+                "arena": {str(r): n for r, n in sorted(self.arena.items())}, "stats": self.stats}
+
+    @staticmethod
+    def from_json(o: Mapping) -> "Fp8Plan":
+        if o.get("version") != FP8_PLAN_VERSION:
+            raise PlanError(f"FP8 plan version {o.get('version')} is not {FP8_PLAN_VERSION}")
+        return Fp8Plan(tuple(o["block"]), list(o["quantized"]), Plan.from_json(o["rest"]),
+                       [Fp8Group.from_json(g) for g in o["groups"]], {int(r): n for r, n in o["arena"].items()},
+                       dict(o["stats"]))
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """sha256 over the block, the regions, the temporaries and every sub-plan's own hash."""
+        obj = {"version": FP8_PLAN_VERSION, "block": list(self.block), "quantized": self.quantized,
+               "rest": self.rest.hash, "arena": {str(r): n for r, n in sorted(self.arena.items())},
+               "groups": [{"tensors": g.tensors, "regions": [r.to_json() for r in g.regions],
+                           "temp": {str(r): t for r, t in sorted(g.temp.items())},
+                           "assembly": None if g.assembly is None else g.assembly.hash, "stage_b": g.stage_b.hash}
+                          for g in self.groups]}
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def summary(self) -> str:
+        s = self.stats
+        return "\n".join([
+            f"FP8 block {self.block[0]}x{self.block[1]}, {len(self.quantized)} quantized tensors in {len(self.groups)} group(s)",
+            f"assembly (cut blocks)  {s['assembly_network_bytes']:,} B over network, {s['assembly_local_bytes']:,} B local",
+            f"FP8 weights + scales   {s['fp8_weight_network_bytes']:,} + {s['fp8_scale_network_bytes']:,} B over network",
+            f"unquantized tensors    {s['rest_network_bytes']:,} B over network",
+            f"total                  {s['network_bytes']:,} B"
+            + (f"  (BF16 refit of the same layouts: {s['bf16_network_bytes']:,} B)" if "bf16_network_bytes" in s else ""),
+            f"temporaries            max {max(self.arena.values(), default=0):,} B per rank",
+        ])
+
+
+# ----------------------------------------------------------------------------------- layouts
+
+def restrict(layout: Layout, names: set[str], *, whole: bool = False, keep_empty: bool = False) -> Layout:
+    """Only the pieces of ``names`` (buffers keep their shape).  ``whole``: a buffer must hold only
+    such pieces or none (destination buffers are written completely by one plan)."""
+    out = Layout({n: m for n, m in layout.tensors.items() if n in names}, {})
+    for r in layout.ranks:
+        bufs = {}
+        for bname, buf in layout.buffers[r].items():
+            mine = tuple(p for p in buf.pieces if p.tensor in names)
+            if whole and mine and len(mine) != len(buf.pieces):
+                other = next(p.tensor for p in buf.pieces if p.tensor not in names)
+                raise PlanError(f"rank {r} buffer {bname} holds {mine[0].tensor} and {other}, planned apart")
+            if mine:
+                bufs[bname] = buf if len(mine) == len(buf.pieces) else Buffer(buf.name, buf.shape, buf.dtype, mine)
+            elif keep_empty and not buf.pieces:
+                bufs[bname] = buf
+        if bufs:
+            out.buffers[r] = bufs
+    return out
+
+
+def _grid_of(box: Box, shape: Sequence[int], block: tuple[int, int]) -> tuple[Box, Box | None]:
+    """(blocks the box touches, blocks wholly inside it or None), as block boxes."""
+    nd = len(shape)
+    t_off, t_size = list(box.offsets[:-2]), list(box.sizes[:-2])
+    i_off, i_size = list(t_off), list(t_size)
+    empty = False
+    for k, d in enumerate((nd - 2, nd - 1)):
+        B, o, e, n = block[k], box.offsets[d], box.ends[d], shape[d]
+        lo, hi = o // B, -(-e // B)
+        t_off.append(lo)
+        t_size.append(hi - lo)
+        ilo, ihi = -(-o // B), (-(-e // B) if e == n else e // B)
+        empty |= ihi <= ilo
+        i_off.append(ilo)
+        i_size.append(max(0, ihi - ilo))
+    return Box(tuple(t_off), tuple(t_size)), None if empty else Box(tuple(i_off), tuple(i_size))
+
+
+def _elements(grid: Box, shape: Sequence[int], block: tuple[int, int]) -> Box:
+    nd = len(shape)
+    offs, sizes = list(grid.offsets[:-2]), list(grid.sizes[:-2])
+    for k, d in enumerate((nd - 2, nd - 1)):
+        lo = grid.offsets[d] * block[k]
+        hi = min((grid.offsets[d] + grid.sizes[d]) * block[k], shape[d])
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offs), tuple(sizes))
+
+
+def _split_among(grid: Box, n: int) -> list[Box]:
+    """``grid`` in ``n`` parts along its first dim with >= n blocks (else its longest dim)."""
+    if n == 1:
+        return [grid]
+    dims = [d for d, s in enumerate(grid.sizes) if s >= n]
+    d = dims[0] if dims else max(range(grid.ndim), key=lambda k: (grid.sizes[k], -k))
+    out, pos = [], grid.offsets[d]
+    for s in split_sizes(grid.sizes[d], n, "even"):
+        if s:
+            offs, sizes = list(grid.offsets), list(grid.sizes)
+            offs[d], sizes[d] = pos, s
+            out.append(Box(tuple(offs), tuple(sizes)))
+        pos += s
+    return out
+
+
+def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], dst: Layout | None = None) -> list[Region]:
+    """Every block of every tensor in ``tensors`` owned exactly once (see the module doc).
+
+    With ``dst``, owners are chosen where the quantized bytes are needed: the aligned interior of
+    a source box is split among the holders that are destinations of some of it (each part to the
+    one needing most of it), or among all its holders when none is; a cut block goes to a holder of
+    its largest part, preferring one that needs it.  Remaining ties: least-loaded, then lowest rank.
+    """
+    index = _source_index(restrict(src, set(tensors)))
+    wants: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    if dst is not None:
+        for r, _, p in dst.iter_pieces():
+            if p.tensor in index:
+                wants[p.tensor].append((r, p.box))
+    load: dict[int, int] = defaultdict(int)         # elements quantized per rank so far
+    regions: list[Region] = []
+
+    def need(name: str, rank: int, box: Box) -> int:
+        n = 0
+        for q, b in wants[name]:
+            if q == rank:
+                inter = b.intersect(box)
+                n += inter.numel if inter is not None else 0
+        return n
+
+    def pick(name: str, ranks, box: Box) -> int:
+        return min(ranks, key=lambda q: (-need(name, q, box), load[q], q))
+
+    for name in tensors:
+        shape = src.tensors[name].shape
+        items = index.get(name, [])
+        k = 0
+        boundary: list[Box] = []
+        owners_of: list[int] = []                   # boundary box -> item index
+        for i, (sbox, holders) in enumerate(items):
+            first: dict[int, tuple] = {}
+            for h in holders:
+                first.setdefault(h[0], h)
+            touched, inner = _grid_of(sbox, shape, block)
+            rest = [touched]
+            if inner is not None:
+                rest = subtract(touched, inner)
+                ibox = _elements(inner, shape, block)
+                free = {q for q in first if need(name, q, ibox)} or set(first)
+                parts = sorted(_split_among(inner, len(free)), key=lambda b: (-b.numel, b))
+                for part in parts:           # largest part first, one part per replica
+                    ebox = _elements(part, shape, block)
+                    r = pick(name, free, ebox)
+                    free.discard(r)
+                    hr, hb, hp = first[r]
+                    regions.append(Region(name, ebox, part, r, "shard", hb, hp.local_of(ebox),
+                                          f"fp8/q/{name}/{k}", f"fp8/s/{name}/{k}"))
+                    load[r] += ebox.numel
+                    k += 1
+            for b in rest:
+                boundary.append(b)
+                owners_of.append(i)
+        for atom, idx in _atoms(boundary) if boundary else ():
+            ebox = _elements(atom, shape, block)
+            parts = {}
+            for j in idx:
+                inter = items[owners_of[j]][0].intersect(ebox)
+                parts[owners_of[j]] = inter.numel if inter is not None else 0
+            top = max(parts.values())
+            holders = sorted({h[0] for i, n in parts.items() if n == top for h in items[i][1]})
+            r = pick(name, holders, ebox)
+            load[r] += ebox.numel
+            regions.append(Region(name, ebox, atom, r, "assembled", f"fp8/asm/{name}/{k}", Box.full(ebox.sizes),
+                                  f"fp8/q/{name}/{k}", f"fp8/s/{name}/{k}"))
+            k += 1
+    return regions
+
+
+def _components(dst: Layout, quantized: set[str]) -> list[list[str]]:
+    """Quantized tensors that share a destination buffer, grouped (union-find)."""
+    parent = {n: n for n in quantized}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+    seen: set[int] = set()
+    for r in dst.ranks:
+        for buf in dst.buffers[r].values():
+            if id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            names = sorted({p.tensor for p in buf.pieces if p.tensor in quantized})
+            for a in names[1:]:
+                parent[find(a)] = find(names[0])
+    comps: dict[str, list[str]] = defaultdict(list)
+    for n in sorted(quantized):
+        comps[find(n)].append(n)
+    return sorted(comps.values())
+
+
+def _temp_buffers(regions: Sequence[Region], src: Layout) -> dict[int, list[tuple[str, Buffer]]]:
+    """rank -> [(role, buffer)] of its temporaries: assembly (source dtype), fp8, scales."""
+    out: dict[int, list[tuple[str, Buffer]]] = defaultdict(list)
+    for g in regions:
+        full = Box.full(g.box.sizes)
+        if g.kind == "assembled":
+            dt = src.tensors[g.tensor].dtype
+            out[g.owner].append(("asm", Buffer(g.input, g.box.sizes, dt, (Piece(g.tensor, g.box, full),))))
+        out[g.owner].append(("q", Buffer(g.q_buffer, g.box.sizes, FP8, (Piece(g.tensor, g.box, full),))))
+        out[g.owner].append(("s", Buffer(g.s_buffer, g.grid.sizes, SCALE_DTYPE,
+                                         (Piece(scale_name(g.tensor), g.grid, Box.full(g.grid.sizes)),))))
+    return out
+
+
+def _nbytes(buf: Buffer) -> int:
+    n = itemsize(buf.dtype)
+    for s in buf.shape:
+        n *= s
+    return _align(n)
+
+
+def quantized_tensors(layout: Layout, family: str = "deepseek_v3", block: Sequence[int] | None = None) -> set[str]:
+    """The tensors of a (BF16, canonical) layout that ``family``'s FP8 checkpoint quantizes
+    (``[fp8]`` of ``layouts/<family>.toml``)."""
+    from .family import load_family
+    return load_family(family).fp8_rules().quantized(layout.tensors.values(), block)
+
+
+def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_bytes: int = DEFAULT_BUDGET,
+                  memory_bytes: int | None = None, allow_cast: bool = False, ignore_unused: bool = False,
+                  compare_bf16: bool = True) -> Fp8Plan:
+    """Plan a refit from a BF16 source layout into an FP8 target layout (see the module doc).
+
+    ``budget_bytes``: the staging budget of every sub-plan; ``memory_bytes`` (default: the staging
+    budget): per-rank bytes of temporaries (assembled blocks, FP8 results, scales) of one group; a
+    group of tensors sharing a buffer that is larger forms a group of its own.  ``allow_cast`` and
+    ``ignore_unused`` are :func:`make_plan`'s, for the unquantized tensors and the source's unused
+    tensors.  ``compare_bf16`` also plans the plain BF16 refit of the same layouts for the stats.
+    """
+    b = check_block(block)
+    memory = budget_bytes if memory_bytes is None else int(memory_bytes)
+    quantized = quantized_of(dst)
+    scales = {scale_name(n) for n in quantized}
+    for name in sorted(quantized):
+        if name not in src.tensors:
+            raise PlanError(f"FP8 tensor {name} has no source")
+        s, d = src.tensors[name], dst.tensors[name]
+        if s.shape != d.shape:
+            raise PlanError(f"tensor {name}: source shape {list(s.shape)} != destination shape {list(d.shape)}")
+        sc = dst.tensors.get(scale_name(name))
+        want = scale_shape(d.shape, b)
+        if sc is None or sc.shape != want or sc.dtype != SCALE_DTYPE:
+            raise PlanError(f"tensor {name}: the FP8 layout needs scale tensor {scale_name(name)} {list(want)} "
+                            f"{SCALE_DTYPE} for block {b}, it has {None if sc is None else (list(sc.shape), sc.dtype)}")
+    unused = sorted(set(src.tensors) - set(dst.tensors))
+    if unused and not ignore_unused:
+        raise PlanError(f"{len(unused)} source tensor(s) have no destination: {', '.join(unused[:8])}"
+                        + (" ..." if len(unused) > 8 else "") + " (pass ignore_unused=True to drop them)")
+    rest_names = set(dst.tensors) - quantized - scales
+    rest = make_plan(restrict(src, rest_names), restrict(dst, rest_names, whole=True, keep_empty=True),
+                     budget_bytes=budget_bytes, allow_cast=allow_cast)
+    names = sorted(quantized)
+    regions = plan_regions(src, names, b, dst)
+    by_tensor: dict[str, list[Region]] = defaultdict(list)
+    for g in regions:
+        by_tensor[g.tensor].append(g)
+
+    # chunk components into groups under the per-rank memory budget
+    groups_names: list[list[str]] = []
+    cur: list[str] = []
+    cur_mem: dict[int, int] = defaultdict(int)
+    for comp in _components(dst, quantized):
+        mem: dict[int, int] = defaultdict(int)
+        for r, bufs in _temp_buffers([g for n in comp for g in by_tensor[n]], src).items():
+            mem[r] += sum(_nbytes(x) for _, x in bufs)
+        if cur and any(cur_mem[r] + n > memory for r, n in mem.items()):
+            groups_names.append(cur)
+            cur, cur_mem = [], defaultdict(int)
+        cur += comp
+        for r, n in mem.items():
+            cur_mem[r] += n
+    if cur:
+        groups_names.append(cur)
+
+    groups: list[Fp8Group] = []
+    arena: dict[int, int] = defaultdict(int)
+    for gnames in groups_names:
+        gregions = [g for n in gnames for g in by_tensor[n]]
+        temps = _temp_buffers(gregions, src)
+        asm, qsrc = Layout(), Layout()
+        for n in gnames:
+            meta = src.tensors[n]
+            qsrc.add_tensor(n, meta.shape, FP8)
+            qsrc.add_tensor(scale_name(n), scale_shape(meta.shape, b), SCALE_DTYPE)
+        temp: dict[int, dict[str, list]] = {}
+        for r in sorted(temps):
+            off, temp[r] = 0, {}
+            for role, buf in temps[r]:
+                temp[r][buf.name] = [list(buf.shape), buf.dtype, off]
+                off += _nbytes(buf)
+                if role == "asm":
+                    asm.add_tensor(buf.pieces[0].tensor, src.tensors[buf.pieces[0].tensor].shape, buf.dtype)
+                    asm.add_buffer(r, buf)
+                else:
+                    qsrc.add_buffer(r, buf)
+            arena[r] = max(arena[r], off)
+        gset = set(gnames) | {scale_name(n) for n in gnames}
+        assembly = None
+        if asm.tensors:
+            assembly = make_plan(restrict(src, set(asm.tensors)), asm, budget_bytes=budget_bytes)
+        stage_b = make_plan(qsrc, restrict(dst, gset, whole=True), budget_bytes=budget_bytes)
+        groups.append(Fp8Group(gnames, gregions, assembly, stage_b, temp))
+
+    plan = Fp8Plan(b, names, rest, groups, dict(arena))
+    plan.stats = fp8_stats(plan, scales)
+    plan.stats["unused_tensors"] = unused
+    if compare_bf16:
+        dtypes = {n: src.tensors[n].dtype for n in quantized}
+        bf16 = make_plan(src, bf16_target(dst, dtypes), budget_bytes=budget_bytes, allow_cast=allow_cast,
+                         ignore_unused=ignore_unused)
+        plan.stats["bf16_network_bytes"] = bf16.stats["network_bytes"]
+        plan.stats["bf16_local_bytes"] = bf16.stats["local_bytes"]
+    return plan
+
+
+def fp8_stats(plan: Fp8Plan, scales: set[str]) -> dict:
+    asm_net = asm_local = w_net = s_net = w_local = s_local = 0
+    work: dict[str, int] = defaultdict(int)
+    blocks: dict[str, int] = defaultdict(int)
+    for g in plan.groups:
+        if g.assembly is not None:
+            asm_net += g.assembly.stats["network_bytes"]
+            asm_local += g.assembly.stats["local_bytes"]
+        for m in g.stage_b.messages:
+            for c in m.entries:
+                if c.tensor in scales:
+                    s_net += c.nbytes
+                else:
+                    w_net += c.nbytes
+        for c in g.stage_b.local_copies:
+            if c.tensor in scales:
+                s_local += c.nbytes
+            else:
+                w_local += c.nbytes
+        for reg in g.regions:
+            work[str(reg.owner)] += reg.box.numel
+            blocks[str(reg.owner)] += reg.grid.numel
+    rest = plan.rest.stats["network_bytes"]
+    return {
+        "network_bytes": asm_net + w_net + s_net + rest,
+        "assembly_network_bytes": asm_net, "assembly_local_bytes": asm_local,
+        "fp8_weight_network_bytes": w_net, "fp8_scale_network_bytes": s_net,
+        "fp8_weight_local_bytes": w_local, "fp8_scale_local_bytes": s_local,
+        "rest_network_bytes": rest, "rest_local_bytes": plan.rest.stats["local_bytes"],
+        "lower_bound_bytes": w_net + s_net + plan.rest.stats["lower_bound_bytes"],
+        "quantized_elements": dict(sorted(work.items())), "quantized_blocks": dict(sorted(blocks.items())),
+        "groups": len(plan.groups), "regions": sum(len(g.regions) for g in plan.groups),
+        "max_temp_bytes": max(plan.arena.values(), default=0),
+    }
+
+
+__all__ = ["Fp8Group", "Fp8Plan", "Region", "make_fp8_plan", "plan_regions", "quantized_tensors", "restrict"]

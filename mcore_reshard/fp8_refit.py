@@ -1,0 +1,179 @@
+"""Executor of an FP8 plan (:mod:`mcore_reshard.fp8_plan`): BF16 source shards in, block-FP8
+weights and fp32 ``weight_scale_inv`` written into the target's existing tensors.
+
+``Fp8Resharder(plan, src, dst, group)`` is collective (like :class:`~mcore_reshard.executor.Resharder`,
+which it drives: one for the unquantized tensors, and per group one for the assembly of cut blocks
+and one for the quantized results).  ``refit()`` runs, group after group::
+
+    stage A   cut blocks -> owner (Resharder, BF16)         | rank 1 gets rows 16:20 from rank 0
+    quantize  every owned region on its owner, fp32 math     | rank 0: blocks 0:16, rank 1: 16:40
+    stage B   FP8 bytes + scales -> target shards (Resharder)| rank 2 gets 1280 + 24 B
+
+Quantization of one block ``x`` (the DeepSeek-V3 checkpoint recipe)::
+
+    amax = |x|.max()                   (fp32)
+    scale_inv = amax / 448             (1.0 when amax == 0: an all-zero block stores zeros, scale 1)
+    w = (x.float() / scale_inv).clamp(-448, 448).to(float8_e4m3fn)   (round to nearest even)
+
+Temporaries (assembled blocks, FP8 results, scales) live in one uint8 arena per rank, sized for
+the largest group and reused by every group; all sub-Resharders share one pair of staging buffers.
+gloo has no float8 dtype: the staging buffers are uint8 and FP8 entries are byte views of them.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from .executor import ReshardError, Resharder, agree, staging_sizes, torch_dtype
+from .fp8_layout import DEFAULT_BLOCK, FP8_MAX
+from .fp8_plan import Fp8Plan
+
+_CHUNK_ELEMS = 1 << 22      # fp32 elements of one quantization temporary (16 MiB)
+
+
+def quantize_into(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: torch.Tensor,
+                  chunk_elems: int = _CHUNK_ELEMS) -> None:
+    """Quantize ``x [..., r, c]`` per ``block`` of its last two dims into ``q`` (float8_e4m3fn,
+    same shape) and ``s`` (fp32 ``[..., ceil(r/B0), ceil(c/B1)]``), vectorized over whole blocks;
+    a ragged last block row / column is padded with zeros (which never change a block's amax)."""
+    B0, B1 = block
+    r, c = x.shape[-2:]
+    nr, nc = -(-r // B0), -(-c // B1)
+    step = max(1, chunk_elems // (B0 * nc * B1))
+    with torch.no_grad():
+        for idx in itertools.product(*(range(n) for n in x.shape[:-2])):
+            xs, qs, ss = x[idx], q[idx], s[idx]
+            for b0 in range(0, nr, step):
+                b1 = min(nr, b0 + step)
+                rows = min(b1 * B0, r) - b0 * B0
+                pad = torch.zeros((b1 - b0) * B0, nc * B1, dtype=torch.float32, device=x.device)
+                pad[:rows, :c] = xs[b0 * B0:b0 * B0 + rows]
+                blocks = pad.view(b1 - b0, B0, nc, B1)
+                amax = blocks.abs().amax(dim=(1, 3))
+                scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+                w = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+                qs[b0 * B0:b0 * B0 + rows].copy_(w.view(-1, nc * B1)[:rows, :c].to(torch.float8_e4m3fn))
+                ss[b0:b1].copy_(scale)
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """``MegatronRefit(..., target=(fp8_layout, tensors), quantize=Fp8(block=(128, 128)))``:
+    quantize in transit.  ``memory_bytes``: per-rank temporaries of one group (default: the
+    staging budget)."""
+    block: tuple[int, int] = DEFAULT_BLOCK
+    memory_bytes: int | None = None
+
+
+def _pick(tensors: Mapping[str, torch.Tensor], plan, side: str, rank: int) -> dict:
+    return {n: tensors[n] for n in plan.buffers[side].get(rank, {}) if n in tensors}
+
+
+class Fp8Resharder:
+    """Binds an :class:`~mcore_reshard.fp8_plan.Fp8Plan` to this rank's tensors (collective).
+
+    ``src``: this rank's source buffers (BF16 or fp32); ``dst``: its target buffers of the FP8
+    layout (``float8_e4m3fn`` weights, fp32 ``*_scale_inv``, and the unquantized ones).  Options
+    are :class:`~mcore_reshard.executor.Resharder`'s.  ``last_stats`` after a refit: seconds and
+    elements this rank quantized."""
+
+    def __init__(self, plan: Fp8Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                 group=None, *, timeout: float | None = None, verify: bool = False):
+        import torch.distributed as dist
+        self.plan = plan
+        self.rank = rank = dist.get_rank(group)
+        self.version = 0
+        self.last_stats: dict = {}
+        errors = []
+        want_dst = set(plan.rest.buffers["dst"].get(rank, {}))
+        for g in plan.groups:
+            want_dst |= set(g.stage_b.buffers["dst"].get(rank, {}))
+        extra = sorted(set(dst) - want_dst)
+        if extra:
+            errors.append(f"rank {rank}: {len(extra)} dst tensor(s) the FP8 plan never writes: {', '.join(extra[:8])}")
+        for g in plan.groups:
+            for reg in g.regions:
+                if reg.owner == rank and reg.kind == "shard" and reg.input not in src:
+                    errors.append(f"rank {rank}: source tensor {reg.input} (to quantize {reg.tensor}{reg.box}) is missing")
+                    break
+        agree(group, plan.hash, errors, timeout=timeout)
+        tensors = list(dst.values()) + list(src.values())
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.arena = torch.empty(plan.arena.get(rank, 0), dtype=torch.uint8, device=device)
+        plans = [plan.rest] + [p for g in plan.groups for p in (g.assembly, g.stage_b) if p is not None]
+        sizes = [staging_sizes(p, rank, verify) for p in plans]
+        staging = (torch.empty(max(s for s, _ in sizes), dtype=torch.uint8, device=device),
+                   torch.empty(max(r for _, r in sizes), dtype=torch.uint8, device=device))
+        kw = dict(timeout=timeout, verify=verify, staging=staging)
+        self.rest = Resharder(plan.rest, _pick(src, plan.rest, "src", rank), _pick(dst, plan.rest, "dst", rank), group, **kw)
+        self.groups = []
+        for g in plan.groups:
+            temp = {}
+            for name, (shape, dtype, off) in g.temp.get(rank, {}).items():
+                dt = torch_dtype(dtype)
+                n = dt.itemsize
+                for s in shape:
+                    n *= s
+                temp[name] = self.arena[off:off + n].view(dt).view(shape)
+            asm = None
+            if g.assembly is not None:
+                asm = Resharder(g.assembly, _pick(src, g.assembly, "src", rank), _pick(temp, g.assembly, "dst", rank),
+                                group, **kw)
+            jobs = []
+            for reg in g.regions:
+                if reg.owner != rank:
+                    continue
+                if reg.kind == "shard":
+                    x = src[reg.input][reg.input_local.slices()].detach().reshape(reg.box.sizes)
+                else:
+                    x = temp[reg.input]
+                jobs.append((x, temp[reg.q_buffer], temp[reg.s_buffer], reg.box.numel))
+            b = Resharder(g.stage_b, _pick(temp, g.stage_b, "src", rank), _pick(dst, g.stage_b, "dst", rank), group, **kw)
+            self.groups.append((asm, jobs, b))
+
+    def refit(self, version: int | None = None) -> dict:
+        """Move every byte once (collective): unquantized tensors, then each group's assembly,
+        quantization and FP8 transfer.  Returns this rank's counts."""
+        v = self.version + 1 if version is None else int(version)
+        out = {"version": v, "messages_sent": 0, "staged_bytes_sent": 0, "quantized_elements": 0, "quantize_s": 0.0}
+
+        def add(st):
+            out["messages_sent"] += st.get("messages_sent", 0)
+            out["staged_bytes_sent"] += st.get("staged_bytes_sent", 0)
+        add(self.rest.refit(v))
+        for asm, jobs, b in self.groups:
+            if asm is not None:
+                add(asm.refit(v))
+            t0 = time.perf_counter()
+            for x, q, s, n in jobs:
+                quantize_into(x, self.plan.block, q, s)
+                out["quantized_elements"] += n
+            out["quantize_s"] += time.perf_counter() - t0
+            add(b.refit(v))
+        self.version = v
+        self.last_stats = out
+        return out
+
+    def resharders(self) -> list[Resharder]:
+        return [self.rest] + [r for a, _, b in self.groups for r in (a, b) if r is not None]
+
+    def state(self) -> dict:
+        """Refit version every destination buffer holds (see :meth:`Resharder.state`)."""
+        buffers, incomplete = {}, []
+        for r in [self.rest] + [b for _, _, b in self.groups]:
+            st = r.state()
+            buffers.update(st["buffers"])
+            incomplete += st["incomplete"]
+        return {"version": self.version, "buffers": buffers, "incomplete": sorted(incomplete),
+                "interrupted": any(r.state()["interrupted"] for r in self.resharders())}
+
+    def rebind(self, group=None) -> None:
+        for r in self.resharders():
+            r.rebind(group)
+
+
+__all__ = ["Fp8", "Fp8Resharder", "quantize_into", "ReshardError"]
