@@ -376,6 +376,7 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
                    "send": _max_mean({int(r): v for r, v in st["sent_bytes"].items()}),
                    "recv": _max_mean({int(r): v for r, v in st["recv_bytes"].items()}),
                    "max_stage_send_bytes": st["max_stage_send_bytes"], "max_stage_recv_bytes": st["max_stage_recv_bytes"],
+                   "max_stage_bytes": st["max_stage_bytes"],
                    "padding_bytes": st["padding_bytes"]}
     out["cost"] = {}
     # every preset, except on plans with millions of copies (the fan-out model walks every copy)

@@ -335,19 +335,18 @@ class Resharder:
                       for c in plan.local_copies if c.dst == r]
         self.padding = [(self.dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == r]
         trailer = _CS_BYTES if self.verify else 0
-        send_size = recv_size = 0
         per_round: dict[int, tuple[list, list]] = {}
         for m in plan.messages:
             if m.src == r:
                 per_round.setdefault(m.round, ([], []))[0].append(m)
             if m.dst == r:
                 per_round.setdefault(m.round, ([], []))[1].append(m)
-        for sends, recvs in per_round.values():
-            send_size = max(send_size, sum(m.nbytes + trailer * len(m.entries) for m in sends))
-            recv_size = max(recv_size, sum(m.nbytes + trailer * len(m.entries) for m in recvs))
+        # ONE staging buffer per rank: in each round its front holds the messages this rank sends,
+        # the rest the messages it receives (the plan keeps send + receive <= budget per round)
+        size = max((sum(m.nbytes + trailer * len(m.entries) for m in sends + recvs)
+                    for sends, recvs in per_round.values()), default=0)
         device = self._device()
-        self.send_staging = torch.empty(send_size, dtype=torch.uint8, device=device)
-        self.recv_staging = torch.empty(recv_size, dtype=torch.uint8, device=device)
+        self.staging = torch.empty(size, dtype=torch.uint8, device=device)
         self.rounds: list[_Round] = []
         self.round_numbers: list[int] = []
         # stage at which each destination buffer is first / last written (-1: local copies and padding)
@@ -368,14 +367,13 @@ class Resharder:
             base = 0
             for m in sends:
                 size = m.nbytes + trailer * len(m.entries)
-                buf = self.send_staging[base:base + size]
+                buf = self.staging[base:base + size]
                 pairs = [(self._view(buf, c), self.src[c.src_buffer][c.src_local.slices()]) for c in m.entries]
                 rnd.sends.append((m.dst, buf, pairs, m))
                 base += size
-            base = 0
-            for m in recvs:
+            for m in recvs:             # right after this round's sends, in the same buffer
                 size = m.nbytes + trailer * len(m.entries)
-                buf = self.recv_staging[base:base + size]
+                buf = self.staging[base:base + size]
                 pairs = [(self._view(buf, c), self.dst[c.dst_buffer][c.dst_local.slices()]) for c in m.entries]
                 rnd.recvs.append((m.src, buf, pairs, m))
                 base += size
@@ -402,7 +400,9 @@ class Resharder:
 
     @property
     def staging_bytes(self) -> int:
-        return self.send_staging.numel() + self.recv_staging.numel()
+        """Bytes of this rank's one staging buffer (<= the plan's budget, + 16 B per entry when
+        ``verify``): the most this rank stages to send plus receive in any one round."""
+        return self.staging.numel()
 
     def rebind(self, group=None) -> None:
         """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke

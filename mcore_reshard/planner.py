@@ -27,11 +27,13 @@ import hashlib
 import json
 from bisect import bisect_left
 from heapq import heapify, heapreplace
+from math import prod
+from operator import add, itemgetter, sub
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .box import Box, split_box, subtract
+from .box import Box, split_box, subtract, unchecked_box
 from .layout import Layout, Piece, itemsize
 
 DEFAULT_BUDGET = 256 << 20
@@ -67,7 +69,28 @@ class Copy:
 
     @staticmethod
     def from_json(o) -> "Copy":
+        if len(o) == 10 and all(isinstance(x, int) for x in (o[2], o[5], o[8], o[9])):
+            return _copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
         return Copy(o[0], Box.from_json(o[1]), o[2], o[3], Box.from_json(o[4]), o[5], o[6], Box.from_json(o[7]), o[8], o[9])
+
+
+_new = object.__new__
+_setattr = object.__setattr__
+_COPY_FIELDS = ("tensor", "box", "src", "src_buffer", "src_local", "dst", "dst_buffer", "dst_local", "nbytes", "offset")
+
+
+def _copy(*values) -> Copy:
+    """``Copy(*values)`` (all ten fields) without the frozen-dataclass ``__init__`` overhead."""
+    c = _new(Copy)
+    _setattr(c, "__dict__", dict(zip(_COPY_FIELDS, values)))
+    return c
+
+
+def _box_json(o) -> Box:
+    offs, sizes = tuple(o[0]), tuple(o[1])
+    if len(offs) == len(sizes) and (not sizes or (min(sizes) >= 0 and min(offs) >= 0)):
+        return unchecked_box(offs, sizes)
+    return Box(offs, sizes)     # raises the checked constructor's error
 
 
 @dataclass(frozen=True)
@@ -147,6 +170,7 @@ class Plan:
             f"bytes copied local {s['local_bytes']:,}",
             f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
             f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
+            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
             f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
         ]
         return "\n".join(lines)
@@ -234,8 +258,9 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
               ignore_unused: bool = False) -> Plan:
     """Plan the transfer of every destination piece from the source layout.
 
-    ``budget_bytes`` is the hard per-rank staging limit, on the send and on the receive side, per
-    round; larger copies are split.  Raises :class:`PlanError` before anything is planned to move
+    ``budget_bytes`` is the hard per-rank staging limit per round: the bytes a rank stages to send
+    plus the bytes it stages to receive in one round never exceed it (the executor allocates one
+    staging buffer per rank of at most this size); larger copies are split.  Raises :class:`PlanError` before anything is planned to move
     when the layouts disagree (names, shapes, dtypes) or a destination region has no source.
     """
     if budget_bytes < 1024:
@@ -243,74 +268,108 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
     index = _source_index(src)
 
+    # source boxes of every tensor as plain tuples (offsets, ends, holders, holder ranks), sorted
+    # by dim-0 offset, with the dim-0 starts and the longest dim-0 size for a bisect window
+    sources: dict[str, tuple[list, list[int], int]] = {}
+    for name, items in index.items():
+        rows = [(b.offsets, b.ends, h, frozenset(x[0] for x in h)) for b, h in items]
+        sources[name] = (rows, [b.offsets[0] if b.ndim else 0 for b, _ in items],
+                         max((b.sizes[0] if b.ndim else 1) for b, _ in items))
+    local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
+
+    def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
+        key = id(p)
+        if key in local_maps:
+            delta = local_maps[key]
+        else:
+            delta = local_maps[key] = (tuple(l - g for l, g in zip(p.local.offsets, p.box.offsets))
+                                       if p.box.sizes == p.local.sizes else None)
+        if delta is not None:
+            return tuple(map(add, offs, delta)), sizes
+        b = p.local_of(unchecked_box(offs, sizes))
+        return b.offsets, b.sizes
+
     local: list[Copy] = []
-    remote: list[tuple[Box, str, list[tuple[int, str, Piece]], int, str, Piece, int]] = []
+    # remote regions: (offsets, sizes, tensor, holders, dst rank, dst buffer, dst piece, itemsize, bytes)
+    remote: list[tuple] = []
     lower_bound = 0
-    starts = {name: ([b.offsets[0] if b.ndim else 0 for b, _ in items], max((b.sizes[0] if b.ndim else 1) for b, _ in items))
-              for name, items in index.items()}
-    holder_ranks = {id(h): {x[0] for x in h} for items in index.values() for _, h in items}
     for r, buf, dp in dst.iter_pieces():
-        isz = itemsize(tensors[dp.tensor]["src_dtype"])
-        covering = []
-        items = index.get(dp.tensor, ())
-        lo = hi = 0
-        if items:   # source boxes are sorted by dim-0 offset: only those that can reach dp's rows
-            first, longest = starts[dp.tensor]
-            if dp.box.ndim:
-                lo = bisect_left(first, dp.box.offsets[0] - longest + 1)
-                hi = bisect_left(first, dp.box.offsets[0] + dp.box.sizes[0])
-            else:
-                hi = len(items)
-        for sbox, holders in items[lo:hi]:
-            region = sbox.intersect(dp.box)
-            if region is None:
+        tname = dp.tensor
+        isz = itemsize(tensors[tname]["src_dtype"])
+        covered = 0
+        dbox = dp.box
+        do, de = dbox.offsets, dbox.ends
+        src_rows = sources.get(tname)
+        rows = ()
+        if src_rows:   # source boxes are sorted by dim-0 offset: only those that can reach dp's rows
+            rows, first, longest = src_rows
+            if do:
+                rows = rows[bisect_left(first, do[0] - longest + 1):bisect_left(first, de[0])]
+        for so, se, holders, hranks in rows:
+            lo = tuple(map(max, so, do))
+            sizes = tuple(map(sub, map(min, se, de), lo))
+            if sizes and min(sizes) <= 0:
                 continue
-            covering.append(region)
-            mine = next((h for h in holders if h[0] == r), None) if r in holder_ranks[id(holders)] else None
-            if mine:
-                hr, hb, hp = mine
-                local.append(Copy(dp.tensor, region, hr, hb, hp.local_of(region), r, buf.name, dp.local_of(region),
-                                  region.numel * isz))
+            numel = prod(sizes)
+            covered += numel
+            if r in hranks:
+                hr, hb, hp = next(h for h in holders if h[0] == r)
+                slo, sls = to_local(hp, lo, sizes)
+                dlo, dls = to_local(dp, lo, sizes)
+                local.append(_copy(tname, unchecked_box(lo, sizes), hr, hb, unchecked_box(slo, sls), r, buf.name,
+                                   unchecked_box(dlo, dls), numel * isz))
             else:
-                remote.append((region, dp.tensor, holders, r, buf.name, dp, isz))
-                lower_bound += region.numel * isz
-        if sum(c.numel for c in covering) != dp.box.numel:
-            hole = _uncovered(dp.box, covering)
-            have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(dp.tensor, ())[:6]) or "none"
-            raise PlanError(f"tensor {dp.tensor}: destination rank {r} buffer {buf.name} needs {dp.box} of "
-                            f"shape {tensors[dp.tensor]['shape']}, but no source covers {hole} (source boxes: {have})")
+                remote.append((lo, sizes, tname, holders, r, buf.name, dp, isz, numel * isz))
+                lower_bound += numel * isz
+        if covered != dbox.numel:
+            covering = [unchecked_box(tuple(map(max, so, do)), tuple(map(sub, map(min, se, de), map(max, so, do))))
+                        for so, se, _, _ in rows
+                        if not (do and min(map(sub, map(min, se, de), map(max, so, do))) <= 0)]
+            hole = _uncovered(dbox, covering)
+            have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(tname, ())[:6]) or "none"
+            raise PlanError(f"tensor {tname}: destination rank {r} buffer {buf.name} needs {dbox} of "
+                            f"shape {tensors[tname]['shape']}, but no source covers {hole} (source boxes: {have})")
 
     # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
     load: dict[int, int] = defaultdict(int)
-    order = sorted(range(len(remote)), key=lambda i: (-remote[i][0].numel * remote[i][6], remote[i][1],
-                                                      remote[i][0], remote[i][3], remote[i][4]))
+    order = sorted(range(len(remote)), key=lambda i: (-remote[i][8], remote[i][2], remote[i][0], remote[i][1],
+                                                      remote[i][4], remote[i][5]))
     chosen: dict[int, tuple[int, str, Piece]] = {}
     heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
     first_holder: dict[int, dict] = {}
     for i in order:
-        region, _, holders, _, _, _, isz = remote[i]
+        holders = remote[i][3]
         key = id(holders)
         heap = heaps.get(key)
         if heap is None:
-            first_holder[key] = {}
+            firsts = first_holder[key] = {}
             for h in holders:
-                first_holder[key].setdefault(h[0], h)
-            heap = heaps[key] = [(load[q], q) for q in sorted(first_holder[key])]
+                firsts.setdefault(h[0], h)
+            heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
             heapify(heap)
-        while heap[0][0] != load[heap[0][1]]:   # loads only grow: a stale top is refreshed and re-sorted
-            heapreplace(heap, (load[heap[0][1]], heap[0][1]))
-        best = heap[0][1]
+        top = heap[0]
+        while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+            heapreplace(heap, (load[top[1]], top[1]))
+            top = heap[0]
+        best = top[1]
         chosen[i] = first_holder[key][best]
-        load[best] += region.numel * isz
+        load[best] += remote[i][8]
         heapreplace(heap, (load[best], best))
     _rebalance(remote, chosen, load)
 
-    copies: list[Copy] = []
-    for i in sorted(chosen, key=lambda i: (chosen[i][0], remote[i][3], remote[i][1], remote[i][0])):
-        region, tensor, _, dr, dbuf, dpiece, isz = remote[i]
+    # copies as tuples: (bytes, src, dst, tensor, offsets, sizes, src buffer, src local offsets,
+    # src local sizes, dst buffer, dst local offsets, dst local sizes); Copy objects come at packing
+    copies: list[tuple] = []
+    for i in sorted(chosen, key=lambda i: (chosen[i][0], remote[i][4], remote[i][2], remote[i][0], remote[i][1])):
+        offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes = remote[i]
         sr, sbuf, spiece = chosen[i]
-        for sub in split_box(region, max(1, (budget_bytes - ALIGN) // isz)):
-            copies.append(Copy(tensor, sub, sr, sbuf, spiece.local_of(sub), dr, dbuf, dpiece.local_of(sub), sub.numel * isz))
+        max_elems = max(1, (budget_bytes - ALIGN) // isz)
+        subs = [(offs, sizes)] if nbytes // isz <= max_elems else \
+            [(b.offsets, b.sizes) for b in split_box(unchecked_box(offs, sizes), max_elems)]
+        for so, ss in subs:
+            slo, sls = to_local(spiece, so, ss)
+            dlo, dls = to_local(dpiece, so, ss)
+            copies.append((prod(ss) * isz, sr, dr, tname, so, ss, sbuf, slo, sls, dbuf, dlo, dls))
 
     messages, rounds = _pack_rounds(copies, budget_bytes)
     padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items()) for box in buf.padding()]
@@ -318,8 +377,8 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
         "src": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
         "dst": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
     }
-    plan = Plan(tensors, buffers, messages, sorted(local, key=lambda c: (c.dst, c.dst_buffer, c.dst_local)),
-                padding, budget_bytes, rounds)
+    local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
+    plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
     plan.stats = plan_stats(plan, lower_bound)
     plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
     return plan
@@ -336,8 +395,7 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         top = max(load, key=lambda q: (load[q], -q))
         best_move = None
         for i in sorted(by_sender[top]):
-            region, _, holders, _, _, _, isz = remote[i]
-            n = region.numel * isz
+            holders, n = remote[i][3], remote[i][8]
             for q in sorted({x[0] for x in holders}):
                 if q != top and load[q] + n < load[top]:
                     key = (load[q] + n, q, i)
@@ -346,48 +404,57 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         if best_move is None:
             return
         _, i, q, n = best_move
-        chosen[i] = next(h for h in remote[i][2] if h[0] == q)
+        chosen[i] = next(h for h in remote[i][3] if h[0] == q)
         by_sender[top].discard(i)
         by_sender[q].add(i)
         load[top] -= n
         load[q] += n
 
 
-def _pack_rounds(copies: list[Copy], budget: int) -> tuple[list[Message], int]:
-    """First-fit decreasing into rounds so that no rank stages more than ``budget`` bytes to send
-    or to receive in one round; then one message per (round, src, dst) with 16-byte aligned entries."""
-    send: list[dict[int, int]] = []
-    recv: list[dict[int, int]] = []
-    placed: dict[tuple[int, int, int], list[Copy]] = defaultdict(list)
+def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
+    """First-fit decreasing into rounds so that, in every round, what a rank stages to send plus
+    what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
+    between the send and the receive part of each round); then one message per (round, src, dst)
+    with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
+    before), and a remote copy's two ranks differ, so a fresh round always has room for it.
+
+    ``copies`` are the tuples ``make_plan`` builds (bytes, src, dst, tensor, offsets, sizes, src
+    buffer, src local offsets and sizes, dst buffer, dst local offsets and sizes)."""
+    stage: list[dict[int, int]] = []
+    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     # first round worth trying per rank: copies come largest first, so a round with less room
     # than the current copy is skipped for this rank from then on (keeps first-fit near-linear)
-    low_s: dict[int, int] = defaultdict(int)
-    low_r: dict[int, int] = defaultdict(int)
-    for c in sorted(copies, key=lambda c: (-c.nbytes, c.src, c.dst, c.tensor, c.box)):
-        n = _align(c.nbytes)
-        ks, kr = low_s[c.src], low_r[c.dst]
-        while ks < len(send) and send[ks].get(c.src, 0) + n > budget:
+    low: dict[int, int] = defaultdict(int)
+    copies = sorted(copies, key=lambda c: (-c[0], c[1], c[2], c[3], c[4], c[5]))
+    for c in copies:
+        n = (c[0] + ALIGN - 1) // ALIGN * ALIGN
+        s, d = c[1], c[2]
+        ks, kr = low[s], low[d]
+        nst = len(stage)
+        while ks < nst and stage[ks].get(s, 0) + n > budget:
             ks += 1
-        while kr < len(recv) and recv[kr].get(c.dst, 0) + n > budget:
+        while kr < nst and stage[kr].get(d, 0) + n > budget:
             kr += 1
-        low_s[c.src], low_r[c.dst] = ks, kr
+        low[s], low[d] = ks, kr
         k = max(ks, kr)
-        while k < len(send) and (send[k].get(c.src, 0) + n > budget or recv[k].get(c.dst, 0) + n > budget):
+        while k < nst and (stage[k].get(s, 0) + n > budget or stage[k].get(d, 0) + n > budget):
             k += 1
-        if k == len(send):
-            send.append({})
-            recv.append({})
-        send[k][c.src] = send[k].get(c.src, 0) + n
-        recv[k][c.dst] = recv[k].get(c.dst, 0) + n
-        placed[(k, c.src, c.dst)].append(c)
+        if k == nst:
+            stage.append({})
+        st = stage[k]
+        st[s] = st.get(s, 0) + n
+        st[d] = st.get(d, 0) + n
+        placed[(k, s, d)].append(c)
     messages = []
+    entry_key = itemgetter(3, 4, 5, 9, 10, 11)     # tensor, box, dst buffer, dst local box
     for (k, s, d) in sorted(placed):
         entries, off = [], 0
-        for c in sorted(placed[(k, s, d)], key=lambda c: (c.tensor, c.box, c.dst_buffer, c.dst_local)):
-            entries.append(Copy(c.tensor, c.box, c.src, c.src_buffer, c.src_local, c.dst, c.dst_buffer, c.dst_local, c.nbytes, off))
-            off += _align(c.nbytes)
+        for c in sorted(placed[(k, s, d)], key=entry_key):
+            entries.append(_copy(c[3], unchecked_box(c[4], c[5]), s, c[6], unchecked_box(c[7], c[8]), d, c[9],
+                                 unchecked_box(c[10], c[11]), c[0], off))
+            off += (c[0] + ALIGN - 1) // ALIGN * ALIGN
         messages.append(Message(k, s, d, off, tuple(entries)))
-    return messages, len(send)
+    return messages, len(stage)
 
 
 def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
@@ -395,12 +462,15 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    stage: dict[tuple[int, int], int] = defaultdict(int)
     for m in plan.messages:
         payload = sum(c.nbytes for c in m.entries)
         sent[m.src] += payload
         recv[m.dst] += payload
         stage_send[(m.round, m.src)] += m.nbytes
         stage_recv[(m.round, m.dst)] += m.nbytes
+        stage[(m.round, m.src)] += m.nbytes
+        stage[(m.round, m.dst)] += m.nbytes
     network = sum(sent.values())
     pad = 0
     for r, b, box in plan.padding:
@@ -419,6 +489,8 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
         "max_recv_bytes": max(recv.values(), default=0),
         "max_stage_send_bytes": max(stage_send.values(), default=0),
         "max_stage_recv_bytes": max(stage_recv.values(), default=0),
+        # one staging buffer per rank holds a round's sends and receives together: its size
+        "max_stage_bytes": max(stage.values(), default=0),
     }
 
 

@@ -27,6 +27,7 @@ def test_budget_splits_large_copies_into_rounds():
     plan = make_plan(src, dst, budget_bytes=1024)
     check_plan(src, dst, plan)
     assert plan.stats["max_stage_send_bytes"] <= 1024 and plan.stats["max_stage_recv_bytes"] <= 1024
+    assert plan.stats["max_stage_bytes"] <= 1024
     # every rank receives ~2816 B: at least ceil(2816/1024) = 3 rounds, and packing should not need many more
     need = math.ceil(plan.stats["max_recv_bytes"] / 1024)
     assert need <= plan.rounds <= need + 2
