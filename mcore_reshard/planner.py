@@ -23,6 +23,7 @@ Example, one ``[4, 2]`` float32 tensor, source tp=2 on ranks 0-1, destination un
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from bisect import bisect_left
@@ -76,13 +77,14 @@ class Copy:
 
 _new = object.__new__
 _setattr = object.__setattr__
-_COPY_FIELDS = ("tensor", "box", "src", "src_buffer", "src_local", "dst", "dst_buffer", "dst_local", "nbytes", "offset")
 
 
-def _copy(*values) -> Copy:
-    """``Copy(*values)`` (all ten fields) without the frozen-dataclass ``__init__`` overhead."""
+def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
+    """``Copy(...)`` without the frozen-dataclass ``__init__`` overhead (same object)."""
     c = _new(Copy)
-    _setattr(c, "__dict__", dict(zip(_COPY_FIELDS, values)))
+    _setattr(c, "__dict__", {"tensor": tensor, "box": box, "src": src, "src_buffer": src_buffer, "src_local": src_local,
+                             "dst": dst, "dst_buffer": dst_buffer, "dst_local": dst_local, "nbytes": nbytes,
+                             "offset": offset})
     return c
 
 
@@ -202,26 +204,36 @@ def _atoms(boxes: list[Box]) -> list[tuple[Box, list[int]]]:
 
 def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str, Piece]]]]]:
     """tensor -> disjoint source boxes, each with its holders (rank, buffer, piece), sorted."""
-    by_tensor: dict[str, dict[Box, list]] = defaultdict(dict)
-    for r, buf, p in src.iter_pieces():
-        by_tensor[p.tensor].setdefault(p.box, []).append((r, buf.name, p))
+    by_tensor: dict[str, dict[tuple, tuple[Box, list]]] = defaultdict(dict)
+    for r, bufs in sorted(src.buffers.items()):
+        for bname in sorted(bufs):
+            for p in bufs[bname].pieces:
+                b = p.box
+                key = (b.offsets, b.sizes)      # orders like the Box itself, hashes much faster
+                entry = by_tensor[p.tensor].get(key)
+                if entry is None:
+                    entry = by_tensor[p.tensor][key] = (b, [])
+                entry[1].append((r, bname, p))
     out = {}
     for name, boxes in by_tensor.items():
-        items = sorted(boxes.items())
-        if _disjoint([b for b, _ in items]):
-            out[name] = items
+        keys = sorted(boxes)
+        if _disjoint(keys):
+            out[name] = [boxes[k] for k in keys]
         else:
-            keys = [b for b, _ in items]
-            out[name] = [(atom, sorted(h for i in idx for h in items[i][1])) for atom, idx in _atoms(keys)]
+            items = [boxes[k] for k in keys]
+            out[name] = [(atom, sorted(h for i in idx for h in items[i][1])) for atom, idx in _atoms([b for b, _ in items])]
     return out
 
 
-def _disjoint(boxes: list[Box]) -> bool:
-    for i, a in enumerate(boxes):            # boxes sorted by offsets
-        for b in boxes[i + 1:]:
-            if a.ndim and b.offsets[0] >= a.ends[0]:
-                break
-            if a.intersect(b) is not None:
+def _disjoint(keys: list[tuple]) -> bool:
+    """Whether boxes given as sorted (offsets, sizes) tuples are pairwise disjoint."""
+    for i, (ao, asz) in enumerate(keys):
+        ae = tuple(map(add, ao, asz))
+        for j in range(i + 1, len(keys)):
+            bo, bs = keys[j]
+            if ao and bo[0] >= ae[0]:
+                break                        # sorted by offsets: no later box reaches back into a
+            if not asz or min(map(sub, map(min, ae, map(add, bo, bs)), map(max, ao, bo))) > 0:
                 return False
     return True
 
@@ -254,6 +266,13 @@ def _uncovered(box: Box, covering: list[Box]) -> Box:
     return rest[0]
 
 
+def _raise_uncovered(tensors: dict, index: dict, r: int, bname: str, dp: Piece, covering: list[Box]) -> None:
+    hole = _uncovered(dp.box, covering)
+    have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(dp.tensor, ())[:6]) or "none"
+    raise PlanError(f"tensor {dp.tensor}: destination rank {r} buffer {bname} needs {dp.box} of "
+                    f"shape {tensors[dp.tensor]['shape']}, but no source covers {hole} (source boxes: {have})")
+
+
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
               ignore_unused: bool = False) -> Plan:
     """Plan the transfer of every destination piece from the source layout.
@@ -265,16 +284,36 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     """
     if budget_bytes < 1024:
         raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
+    # planning allocates millions of small acyclic objects: the cyclic garbage collector would
+    # rescan the (large) layouts many times over for nothing, so it is paused while planning
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ignore_unused: bool) -> Plan:
     tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
     index = _source_index(src)
 
     # source boxes of every tensor as plain tuples (offsets, ends, holders, holder ranks), sorted
-    # by dim-0 offset, with the dim-0 starts and the longest dim-0 size for a bisect window
-    sources: dict[str, tuple[list, list[int], int]] = {}
+    # by dim-0 offset, with the dim-0 starts and the longest dim-0 size for a bisect window; tensors
+    # whose source boxes are the same (e.g. one per layer) share a shape id, so the geometry of a
+    # destination piece against them is computed once (``regions_of``) and reused for every layer
+    sources: dict[str, tuple[list, int]] = {}
+    shape_ids: dict[tuple, int] = {}
+    windows: list[tuple[list, list[int], int]] = []
     for name, items in index.items():
-        rows = [(b.offsets, b.ends, h, frozenset(x[0] for x in h)) for b, h in items]
-        sources[name] = (rows, [b.offsets[0] if b.ndim else 0 for b, _ in items],
-                         max((b.sizes[0] if b.ndim else 1) for b, _ in items))
+        keys = tuple((b.offsets, b.sizes) for b, _ in items)
+        sid = shape_ids.get(keys)
+        if sid is None:
+            sid = shape_ids[keys] = len(windows)
+            windows.append(([(b.offsets, b.ends) for b, _ in items], [b.offsets[0] if b.ndim else 0 for b, _ in items],
+                            max((b.sizes[0] if b.ndim else 1) for b, _ in items)))
+        sources[name] = ([(h, frozenset(x[0] for x in h)) for _, h in items], sid)
     local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
 
     def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
@@ -289,51 +328,60 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
         b = p.local_of(unchecked_box(offs, sizes))
         return b.offsets, b.sizes
 
-    local: list[Copy] = []
-    # remote regions: (offsets, sizes, tensor, holders, dst rank, dst buffer, dst piece, itemsize, bytes)
-    remote: list[tuple] = []
-    lower_bound = 0
-    for r, buf, dp in dst.iter_pieces():
-        tname = dp.tensor
-        isz = itemsize(tensors[tname]["src_dtype"])
-        covered = 0
+    geometry: dict[tuple, tuple[int, list]] = {}
+
+    def regions_of(sid: int, dp: Piece) -> tuple[int, list]:
+        """(elements covered, [(source row, offsets, sizes, elements, Box, dst local offsets, dst
+        local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``."""
         dbox = dp.box
+        key = (sid, dbox.offsets, dbox.sizes, dp.local.offsets, dp.local.sizes)
+        got = geometry.get(key)
+        if got is not None:
+            return got
+        spans, first, longest = windows[sid]
         do, de = dbox.offsets, dbox.ends
-        src_rows = sources.get(tname)
-        rows = ()
-        if src_rows:   # source boxes are sorted by dim-0 offset: only those that can reach dp's rows
-            rows, first, longest = src_rows
-            if do:
-                rows = rows[bisect_left(first, do[0] - longest + 1):bisect_left(first, de[0])]
-        for so, se, holders, hranks in rows:
+        lo_i, hi_i = (bisect_left(first, do[0] - longest + 1), bisect_left(first, de[0])) if do else (0, len(spans))
+        out, covered = [], 0
+        for k in range(lo_i, hi_i):
+            so, se = spans[k]
             lo = tuple(map(max, so, do))
             sizes = tuple(map(sub, map(min, se, de), lo))
             if sizes and min(sizes) <= 0:
                 continue
             numel = prod(sizes)
             covered += numel
-            if r in hranks:
-                hr, hb, hp = next(h for h in holders if h[0] == r)
-                slo, sls = to_local(hp, lo, sizes)
-                dlo, dls = to_local(dp, lo, sizes)
-                local.append(_copy(tname, unchecked_box(lo, sizes), hr, hb, unchecked_box(slo, sls), r, buf.name,
-                                   unchecked_box(dlo, dls), numel * isz))
-            else:
-                remote.append((lo, sizes, tname, holders, r, buf.name, dp, isz, numel * isz))
-                lower_bound += numel * isz
-        if covered != dbox.numel:
-            covering = [unchecked_box(tuple(map(max, so, do)), tuple(map(sub, map(min, se, de), map(max, so, do))))
-                        for so, se, _, _ in rows
-                        if not (do and min(map(sub, map(min, se, de), map(max, so, do))) <= 0)]
-            hole = _uncovered(dbox, covering)
-            have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(tname, ())[:6]) or "none"
-            raise PlanError(f"tensor {tname}: destination rank {r} buffer {buf.name} needs {dbox} of "
-                            f"shape {tensors[tname]['shape']}, but no source covers {hole} (source boxes: {have})")
+            dlo, dls = to_local(dp, lo, sizes)
+            out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, unchecked_box(dlo, dls)))
+        got = geometry[key] = (covered, out)
+        return got
+
+    local: list[Copy] = []
+    # remote regions: (offsets, sizes, tensor, holders, dst rank, dst buffer, dst piece, itemsize,
+    # bytes, Box, dst local offsets, dst local sizes, dst local Box)
+    remote: list[tuple] = []
+    lower_bound = 0
+    for r, bufs in sorted(dst.buffers.items()):
+        for bname in sorted(bufs):
+            for dp in bufs[bname].pieces:
+                tname = dp.tensor
+                isz = itemsize(tensors[tname]["src_dtype"])
+                src_rows = sources.get(tname)
+                covered, regions = regions_of(src_rows[1], dp) if src_rows else (0, ())
+                for k, lo, sizes, numel, rbox, dlo, dls, dlbox in regions:
+                    holders, hranks = src_rows[0][k]
+                    if r in hranks:
+                        hr, hb, hp = next(h for h in holders if h[0] == r)
+                        slo, sls = to_local(hp, lo, sizes)
+                        local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
+                    else:
+                        remote.append((lo, sizes, tname, holders, r, bname, dp, isz, numel * isz, rbox, dlo, dls, dlbox))
+                        lower_bound += numel * isz
+                if covered != dp.box.numel:
+                    _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
 
     # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
     load: dict[int, int] = defaultdict(int)
-    order = sorted(range(len(remote)), key=lambda i: (-remote[i][8], remote[i][2], remote[i][0], remote[i][1],
-                                                      remote[i][4], remote[i][5]))
+    order = [k[-1] for k in sorted([(-x[8], x[2], x[0], x[1], x[4], x[5], i) for i, x in enumerate(remote)])]
     chosen: dict[int, tuple[int, str, Piece]] = {}
     heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
     first_holder: dict[int, dict] = {}
@@ -357,25 +405,45 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
         heapreplace(heap, (load[best], best))
     _rebalance(remote, chosen, load)
 
-    # copies as tuples: (bytes, src, dst, tensor, offsets, sizes, src buffer, src local offsets,
-    # src local sizes, dst buffer, dst local offsets, dst local sizes); Copy objects come at packing
+    # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, src buffer, src local Box, dst
+    # buffer, dst local offsets, dst local sizes, sequence number, Box, dst local Box); Copy
+    # objects are made once, at packing, with their staging offset
     copies: list[tuple] = []
-    for i in sorted(chosen, key=lambda i: (chosen[i][0], remote[i][4], remote[i][2], remote[i][0], remote[i][1])):
-        offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes = remote[i]
+    src_boxes: dict[tuple, Box] = {}
+    by_sender = sorted([(chosen[i][0], remote[i][4], remote[i][2], remote[i][0], remote[i][1], pos, i)
+                        for pos, i in enumerate(chosen)])      # pos: greedy order breaks ties (stable)
+    for *_, i in by_sender:
+        offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes, rbox, dlo, dls, dlbox = remote[i]
         sr, sbuf, spiece = chosen[i]
         max_elems = max(1, (budget_bytes - ALIGN) // isz)
-        subs = [(offs, sizes)] if nbytes // isz <= max_elems else \
-            [(b.offsets, b.sizes) for b in split_box(unchecked_box(offs, sizes), max_elems)]
-        for so, ss in subs:
+        if nbytes // isz <= max_elems:
+            slo, sls = to_local(spiece, offs, sizes)
+            skey = (slo, sls)
+            slbox = src_boxes.get(skey)
+            if slbox is None:
+                slbox = src_boxes[skey] = unchecked_box(slo, sls)
+            copies.append((-nbytes, sr, dr, tname, offs, sizes, sbuf, slbox, dbuf, dlo, dls, len(copies), rbox, dlbox))
+            continue
+        for b in split_box(rbox, max_elems):
+            so, ss = b.offsets, b.sizes
             slo, sls = to_local(spiece, so, ss)
             dlo, dls = to_local(dpiece, so, ss)
-            copies.append((prod(ss) * isz, sr, dr, tname, so, ss, sbuf, slo, sls, dbuf, dlo, dls))
+            copies.append((-prod(ss) * isz, sr, dr, tname, so, ss, sbuf, unchecked_box(slo, sls), dbuf, dlo, dls,
+                           len(copies), b, unchecked_box(dlo, dls)))
 
     messages, rounds = _pack_rounds(copies, budget_bytes)
     padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items()) for box in buf.padding()]
+    metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
+
+    def meta(b) -> list:
+        m = metas.get((b.shape, b.dtype))
+        if m is None:
+            m = metas[(b.shape, b.dtype)] = [list(b.shape), b.dtype]
+        return m
+
     buffers = {
-        "src": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
-        "dst": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
+        "src": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
+        "dst": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
     }
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
     plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
@@ -418,16 +486,17 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
     before), and a remote copy's two ranks differ, so a fresh round always has room for it.
 
-    ``copies`` are the tuples ``make_plan`` builds (bytes, src, dst, tensor, offsets, sizes, src
-    buffer, src local offsets and sizes, dst buffer, dst local offsets and sizes)."""
+    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes, src
+    buffer, src local Box, dst buffer, dst local offsets, dst local sizes, sequence number (ties
+    keep the order given, as a stable sort would), Box, dst local Box)."""
     stage: list[dict[int, int]] = []
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     # first round worth trying per rank: copies come largest first, so a round with less room
     # than the current copy is skipped for this rank from then on (keeps first-fit near-linear)
     low: dict[int, int] = defaultdict(int)
-    copies = sorted(copies, key=lambda c: (-c[0], c[1], c[2], c[3], c[4], c[5]))
+    copies = sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11))
     for c in copies:
-        n = (c[0] + ALIGN - 1) // ALIGN * ALIGN
+        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
         s, d = c[1], c[2]
         ks, kr = low[s], low[d]
         nst = len(stage)
@@ -446,13 +515,12 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
         st[d] = st.get(d, 0) + n
         placed[(k, s, d)].append(c)
     messages = []
-    entry_key = itemgetter(3, 4, 5, 9, 10, 11)     # tensor, box, dst buffer, dst local box
+    entry_key = itemgetter(3, 4, 5, 8, 9, 10, 11)     # tensor, box, dst buffer, dst local box
     for (k, s, d) in sorted(placed):
         entries, off = [], 0
         for c in sorted(placed[(k, s, d)], key=entry_key):
-            entries.append(_copy(c[3], unchecked_box(c[4], c[5]), s, c[6], unchecked_box(c[7], c[8]), d, c[9],
-                                 unchecked_box(c[10], c[11]), c[0], off))
-            off += (c[0] + ALIGN - 1) // ALIGN * ALIGN
+            entries.append(_copy(c[3], c[12], s, c[6], c[7], d, c[8], c[13], -c[0], off))
+            off += (-c[0] + ALIGN - 1) // ALIGN * ALIGN
         messages.append(Message(k, s, d, off, tuple(entries)))
     return messages, len(stage)
 
