@@ -77,6 +77,7 @@ class Copy:
 
 _new = object.__new__
 _setattr = object.__setattr__
+_UNSET = object()
 
 
 def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
@@ -408,20 +409,21 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, src buffer, src local Box, dst
     # buffer, dst local offsets, dst local sizes, sequence number, Box, dst local Box); Copy
     # objects are made once, at packing, with their staging offset
+    # (in greedy order: the sequence number only orders copies that tie on everything else)
     copies: list[tuple] = []
     src_boxes: dict[tuple, Box] = {}
-    by_sender = sorted([(chosen[i][0], remote[i][4], remote[i][2], remote[i][0], remote[i][1], pos, i)
-                        for pos, i in enumerate(chosen)])      # pos: greedy order breaks ties (stable)
-    for *_, i in by_sender:
+    for i, (sr, sbuf, spiece) in chosen.items():
         offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes, rbox, dlo, dls, dlbox = remote[i]
-        sr, sbuf, spiece = chosen[i]
         max_elems = max(1, (budget_bytes - ALIGN) // isz)
         if nbytes // isz <= max_elems:
-            slo, sls = to_local(spiece, offs, sizes)
-            skey = (slo, sls)
-            slbox = src_boxes.get(skey)
-            if slbox is None:
-                slbox = src_boxes[skey] = unchecked_box(slo, sls)
+            delta = local_maps.get(id(spiece), _UNSET)
+            if delta is not None and delta is not _UNSET:     # source local box = box shifted by delta
+                skey = (id(rbox), delta)
+                slbox = src_boxes.get(skey)
+                if slbox is None:
+                    slbox = src_boxes[skey] = unchecked_box(tuple(map(add, offs, delta)), sizes)
+            else:
+                slbox = unchecked_box(*to_local(spiece, offs, sizes))
             copies.append((-nbytes, sr, dr, tname, offs, sizes, sbuf, slbox, dbuf, dlo, dls, len(copies), rbox, dlbox))
             continue
         for b in split_box(rbox, max_elems):
@@ -432,7 +434,8 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
                            len(copies), b, unchecked_box(dlo, dls)))
 
     messages, rounds = _pack_rounds(copies, budget_bytes)
-    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items()) for box in buf.padding()]
+    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items())
+               if sum(prod(p.local.sizes) for p in buf.pieces) != prod(buf.shape) for box in buf.padding()]
     metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
 
     def meta(b) -> list:
@@ -489,30 +492,39 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes, src
     buffer, src local Box, dst buffer, dst local offsets, dst local sizes, sequence number (ties
     keep the order given, as a stable sort would), Box, dst local Box)."""
-    stage: list[dict[int, int]] = []
+    used: dict[int, list[int]] = {}     # rank -> staged bytes per round (rounds past the end: 0)
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     # first round worth trying per rank: copies come largest first, so a round with less room
     # than the current copy is skipped for this rank from then on (keeps first-fit near-linear)
     low: dict[int, int] = defaultdict(int)
-    copies = sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11))
-    for c in copies:
+    rounds = 0
+    for c in sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11)):
         n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        lim = budget - n
         s, d = c[1], c[2]
-        ks, kr = low[s], low[d]
-        nst = len(stage)
-        while ks < nst and stage[ks].get(s, 0) + n > budget:
+        us = used.get(s)
+        if us is None:
+            us = used[s] = []
+        ud = used.get(d)
+        if ud is None:
+            ud = used[d] = []
+        ks, kd = low[s], low[d]
+        while ks < len(us) and us[ks] > lim:
             ks += 1
-        while kr < nst and stage[kr].get(d, 0) + n > budget:
-            kr += 1
-        low[s], low[d] = ks, kr
-        k = max(ks, kr)
-        while k < nst and (stage[k].get(s, 0) + n > budget or stage[k].get(d, 0) + n > budget):
+        while kd < len(ud) and ud[kd] > lim:
+            kd += 1
+        low[s], low[d] = ks, kd
+        k = ks if ks > kd else kd
+        while (k < len(us) and us[k] > lim) or (k < len(ud) and ud[k] > lim):
             k += 1
-        if k == nst:
-            stage.append({})
-        st = stage[k]
-        st[s] = st.get(s, 0) + n
-        st[d] = st.get(d, 0) + n
+        while len(us) <= k:
+            us.append(0)
+        while len(ud) <= k:
+            ud.append(0)
+        us[k] += n
+        ud[k] += n
+        if k >= rounds:
+            rounds = k + 1
         placed[(k, s, d)].append(c)
     messages = []
     entry_key = itemgetter(3, 4, 5, 8, 9, 10, 11)     # tensor, box, dst buffer, dst local box
@@ -522,7 +534,7 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
             entries.append(_copy(c[3], c[12], s, c[6], c[7], d, c[8], c[13], -c[0], off))
             off += (-c[0] + ALIGN - 1) // ALIGN * ALIGN
         messages.append(Message(k, s, d, off, tuple(entries)))
-    return messages, len(stage)
+    return messages, rounds
 
 
 def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
