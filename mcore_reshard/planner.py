@@ -537,6 +537,26 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     return messages, rounds
 
 
+def plan_part(plan: Plan, rank: int) -> Plan:
+    """One rank's own part of ``plan``: the messages it sends or receives, its local copies and its
+    padding, with the plan's tensors, buffers (all ranks: peers' buffer metadata is what
+    :func:`validate_plan` checks a message against), budget and round numbers unchanged, so every
+    entry is exactly the whole plan's (same rounds, offsets, senders).  Ranks still agree on the
+    whole plan's :attr:`Plan.hash` before a transfer (a part's own hash differs from rank to rank).
+
+    There is no cheaper way to get the part than from the whole plan: the sender of a replicated
+    region is chosen by a greedy over *all* regions (a rank's load depends on every other
+    choice), and a message's round by a first-fit over *all* copies (a round's room on a rank
+    depends on its other peers), so a rank-local computation would give a different plan.
+    ``validate_plan(plan_part(p, r), r)`` checks the same things as ``validate_plan(p, r)``."""
+    messages = [m for m in plan.messages if m.src == rank or m.dst == rank]
+    local = [c for c in plan.local_copies if c.dst == rank or c.src == rank]
+    padding = [x for x in plan.padding if x[0] == rank]
+    part = Plan(plan.tensors, plan.buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
+    part.stats = {"rank": rank}
+    return part
+
+
 def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
     sent: dict[int, int] = defaultdict(int)
     recv: dict[int, int] = defaultdict(int)
