@@ -303,7 +303,10 @@ class Resharder:
         self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
         self._interrupted: dict | None = None
         self._needs_handshake = False
-        agree(group, plan.hash, self._validate(), options=self._options(), timeout=self.timeout_s)
+        # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
+        # every retry and every refit's confirmation carry it; the bound plan is not to be changed
+        self._digest = plan.hash
+        agree(group, self._digest, self._validate(), options=self._options(), timeout=self.timeout_s)
         self._bind()
 
     # ------------------------------------------------------------------ validation and binding
@@ -416,7 +419,7 @@ class Resharder:
         self.group = group
         self.world = dist.get_world_size(group)
         errors = errors or self._validate()
-        agree(group, self.plan.hash, errors, options=self._options(), timeout=self.timeout_s)
+        agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s)
         self._needs_handshake = False
 
     # ------------------------------------------------------------------ state
@@ -464,7 +467,7 @@ class Resharder:
         v = self.version + 1 if version is None else int(version)
         if self._needs_handshake and self.confirm:
             try:
-                agree(self.group, self.plan.hash, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
+                agree(self.group, self._digest, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
             except ReshardError as e:
                 raise ReshardError(f"rank {self.rank}: cannot retry refit {v}: {e} -- after an interrupted refit on a "
                                    "broken process group, call rebind(new_group) on every rank first") from e
@@ -568,7 +571,7 @@ class Resharder:
         """Every rank reports (version, ok); raise unless every rank landed this version."""
         t0 = time.monotonic()
         try:
-            msgs = _exchange(self.group, 3, digest=self.plan.hash, version=v, ok=not problems,
+            msgs = _exchange(self.group, 3, digest=self._digest, version=v, ok=not problems,
                              text="; ".join(problems[:8]), timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001
             raise TransferError(

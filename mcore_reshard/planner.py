@@ -396,6 +396,11 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
                 firsts.setdefault(h[0], h)
             heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
             heapify(heap)
+        if len(heap) == 1:              # one holder rank: nothing to choose
+            best = heap[0][1]
+            chosen[i] = first_holder[key][best]
+            load[best] += remote[i][8]
+            continue
         top = heap[0]
         while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
             heapreplace(heap, (load[top[1]], top[1]))
