@@ -488,7 +488,8 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
 
 
 def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
-    """First-fit decreasing into rounds so that, in every round, what a rank stages to send plus
+    """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
+    still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
     between the send and the receive part of each round); then one message per (round, src, dst)
     with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
@@ -497,37 +498,44 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes, src
     buffer, src local Box, dst buffer, dst local offsets, dst local sizes, sequence number (ties
     keep the order given, as a stable sort would), Box, dst local Box)."""
-    used: dict[int, list[int]] = {}     # rank -> staged bytes per round (rounds past the end: 0)
+    # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
+    # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
+    # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
+    # extended with ones past its end.  Copies come largest first, so lim only grows and a mask
+    # is recomputed only when a rank sees a smaller copy than before.
+    used: dict[int, list[int]] = {}
+    masks: dict[int, list] = {}         # rank -> [lim, mask]
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
-    # first round worth trying per rank: copies come largest first, so a round with less room
-    # than the current copy is skipped for this rank from then on (keeps first-fit near-linear)
-    low: dict[int, int] = defaultdict(int)
     rounds = 0
+
+    def mask_of(r: int, lim: int) -> int:
+        u = used.get(r)
+        if u is None:
+            u = used[r] = []
+        m = masks.get(r)
+        if m is None:
+            m = masks[r] = [lim, 0]
+        elif m[0] != lim:
+            m[0] = lim
+            m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+        return m[1] | (-1 << len(u))
+
     for c in sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11)):
         n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
         lim = budget - n
         s, d = c[1], c[2]
-        us = used.get(s)
-        if us is None:
-            us = used[s] = []
-        ud = used.get(d)
-        if ud is None:
-            ud = used[d] = []
-        ks, kd = low[s], low[d]
-        while ks < len(us) and us[ks] > lim:
-            ks += 1
-        while kd < len(ud) and ud[kd] > lim:
-            kd += 1
-        low[s], low[d] = ks, kd
-        k = ks if ks > kd else kd
-        while (k < len(us) and us[k] > lim) or (k < len(ud) and ud[k] > lim):
-            k += 1
-        while len(us) <= k:
-            us.append(0)
-        while len(ud) <= k:
-            ud.append(0)
-        us[k] += n
-        ud[k] += n
+        both = mask_of(s, lim) & mask_of(d, lim)
+        k = (both & -both).bit_length() - 1
+        for r in (s, d):
+            u = used[r]
+            if len(u) <= k:             # new rounds start empty: room in every one of them
+                masks[r][1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                u.extend([0] * (k + 1 - len(u)))
+            u[k] += n
+            if u[k] > lim:
+                masks[r][1] &= ~(1 << k)
+            else:
+                masks[r][1] |= 1 << k
         if k >= rounds:
             rounds = k + 1
         placed[(k, s, d)].append(c)
