@@ -501,12 +501,14 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
     # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
     # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
-    # extended with ones past its end.  Copies come largest first, so lim only grows and a mask
-    # is recomputed only when a rank sees a smaller copy than before.
+    # extended with ones past its end.  Copies come largest first, so lim only grows; a mask is
+    # recomputed only when lim reaches the least usage among the rounds it leaves out (usage only
+    # grows, so that least usage, kept as a lower bound, never misses a round that gained room).
     used: dict[int, list[int]] = {}
-    masks: dict[int, list] = {}         # rank -> [lim, mask]
+    masks: dict[int, list] = {}         # rank -> [lim, mask, least usage of a left-out round]
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     rounds = 0
+    inf = float("inf")
 
     def mask_of(r: int, lim: int) -> int:
         u = used.get(r)
@@ -514,10 +516,12 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
             u = used[r] = []
         m = masks.get(r)
         if m is None:
-            m = masks[r] = [lim, 0]
+            m = masks[r] = [lim, 0, inf]
         elif m[0] != lim:
             m[0] = lim
-            m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+            if lim >= m[2]:
+                m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+                m[2] = min((x for x in u if x > lim), default=inf)
         return m[1] | (-1 << len(u))
 
     for c in sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11)):
@@ -528,14 +532,15 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
         k = (both & -both).bit_length() - 1
         for r in (s, d):
             u = used[r]
+            m = masks[r]
             if len(u) <= k:             # new rounds start empty: room in every one of them
-                masks[r][1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
                 u.extend([0] * (k + 1 - len(u)))
             u[k] += n
             if u[k] > lim:
-                masks[r][1] &= ~(1 << k)
-            else:
-                masks[r][1] |= 1 << k
+                m[1] &= ~(1 << k)
+                if u[k] < m[2]:
+                    m[2] = u[k]
         if k >= rounds:
             rounds = k + 1
         placed[(k, s, d)].append(c)
