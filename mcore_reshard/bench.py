@@ -322,7 +322,7 @@ def _hwm_kb() -> int:
 def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss", partial: str | None = None) -> dict:
     """Build, analyse, plan and cost one configuration in this process (JSON-able result).
     ``partial``: a file to write the pre-planning numbers to (layouts, lower bound, baseline)."""
-    from .planner import make_plan
+    from .planner import make_plan, plan_part
     from .targets import dsv3_671b
     conf = CONFIGS[name]
     cfg = small_config() if name == "small" else dsv3_671b()
@@ -369,6 +369,18 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
         tracemalloc.stop()
     out["plan_rss_peak_added"] = (_hwm_kb() - rss0) * 1024 if hwm_ok else None
     out["plan_memory_mode"] = memory
+    # one rank's own part (the busiest rank's): only obtainable from the whole plan, see plan_part
+    staged: dict[int, int] = {}
+    for m in plan.messages:
+        staged[m.src] = staged.get(m.src, 0) + m.nbytes
+        staged[m.dst] = staged.get(m.dst, 0) + m.nbytes
+    busiest = max(sorted(staged), key=lambda r: staged[r]) if staged else 0
+    t0 = time.perf_counter()
+    part = plan_part(plan, busiest)
+    out["plan_part_s"] = time.perf_counter() - t0
+    out["plan_part"] = {"rank": busiest, "messages": len(part.messages),
+                        "copies": sum(len(m.entries) for m in part.messages) + len(part.local_copies)}
+    del part
     st = plan.stats
     out["plan"] = {"network_bytes": st["network_bytes"], "lower_bound_bytes": st["lower_bound_bytes"],
                    "local_bytes": st["local_bytes"], "messages": st["messages"], "rounds": plan.rounds,
@@ -376,6 +388,9 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
                    "send": _max_mean({int(r): v for r, v in st["sent_bytes"].items()}),
                    "recv": _max_mean({int(r): v for r, v in st["recv_bytes"].items()}),
                    "max_stage_send_bytes": st["max_stage_send_bytes"], "max_stage_recv_bytes": st["max_stage_recv_bytes"],
+                   "max_stage_bytes": st["max_stage_bytes"],
+                   # fewest rounds possible: the busiest rank's staged send + receive bytes / budget
+                   "rounds_lower_bound": -(-max(staged.values(), default=0) // budget),
                    "padding_bytes": st["padding_bytes"]}
     out["cost"] = {}
     # every preset, except on plans with millions of copies (the fan-out model walks every copy)
@@ -563,12 +578,13 @@ def _mib(n) -> str:
 
 def markdown_full_size(results: list[dict]) -> str:
     lines = ["| config | ranks | model GB | plan GB (= lower bound?) | gather+bcast GB | ratio | send max / mean GB |"
-             " recv max / mean GB | g+b recv max GB | messages | rounds | plan s | plan MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " recv max / mean GB | g+b recv max GB | messages | rounds (lower bound) | staging MiB/rank |"
+             " plan s (whole / one rank's part) | plan MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             if "baseline" not in r:
-                lines.append(f"| {r['name']} | | | {r['error']} | | | | | | | | | |")
+                lines.append(f"| {r['name']} | | | {r['error']} | | | | | | | | | | |")
                 continue
             b = r["baseline"]
             lb = r["lower_bound_per_rank"]
@@ -576,7 +592,7 @@ def markdown_full_size(results: list[dict]) -> str:
                 f"| {r['name']} | {r['src_ranks']}->{r['dst_ranks']}{' (coloc.)' if r['colocated'] else ''} | "
                 f"{_gb(r['model_bytes'])} | no plan ({r['error']}); lower bound {_gb(r['layout_lower_bound'])} | "
                 f"{_gb(b['bytes'])} | {b['bytes'] / max(r['layout_lower_bound'], 1):.1f}x (vs lower bound) | - | "
-                f"{_gb(lb['max'])} / {_gb(lb['mean'])} (lower bound) | {_gb(b['recv']['max'])} | - | - | - | - |")
+                f"{_gb(lb['max'])} / {_gb(lb['mean'])} (lower bound) | {_gb(b['recv']['max'])} | - | - | - | - | - |")
             continue
         p, b = r["plan"], r["baseline"]
         eq = "yes" if p["network_bytes"] == p["lower_bound_bytes"] == r["layout_lower_bound"] else "NO"
@@ -586,7 +602,8 @@ def markdown_full_size(results: list[dict]) -> str:
             f"{_gb(r['model_bytes'])} | {_gb(p['network_bytes'])} ({eq}) | {_gb(b['bytes'])} | "
             f"{b['bytes'] / max(p['network_bytes'], 1):.1f}x | {_gb(p['send']['max'])} / {_gb(p['send']['mean'])} | "
             f"{_gb(p['recv']['max'])} / {_gb(p['recv']['mean'])} | {_gb(b['recv']['max'])} | {p['messages']:,} | "
-            f"{p['rounds']} | {r['plan_s']:.1f} | {_mib(mem)} |")
+            f"{p['rounds']} ({p.get('rounds_lower_bound', '-')}) | {_mib(p.get('max_stage_bytes'))} | "
+            f"{r['plan_s']:.1f} / {r['plan_s'] + r.get('plan_part_s', 0):.1f} | {_mib(mem)} |")
     lines += ["", "| config | topology | predicted s | link bound s | NVLink fan-out: predicted s | link bound s | "
               "NIC GB saved | gather+bcast model s | published |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:

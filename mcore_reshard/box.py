@@ -168,3 +168,16 @@ def _outer_indices(box: Box, d: int) -> Iterator[tuple[int, ...]]:
     for head in _outer_indices(box, d - 1):
         for i in range(box.sizes[d - 1]):
             yield head + (box.offsets[d - 1] + i,)
+
+
+_new = object.__new__
+_setattr = object.__setattr__
+
+
+def unchecked_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+    """``Box(offsets, sizes)`` without the argument checks (about 4x faster): for the planner's
+    hot loops, whose tuples come from boxes that were checked already (intersections, sub-boxes).
+    Equal, hashing and ordering exactly like the checked constructor's result."""
+    b = _new(Box)
+    _setattr(b, "__dict__", {"offsets": offsets, "sizes": sizes})
+    return b

@@ -148,16 +148,14 @@ def _per_round(plan: Plan, rank: int) -> dict[int, tuple[list, list]]:
     return per_round
 
 
-def staging_sizes(plan: Plan, rank: int, verify: bool = False) -> tuple[int, int]:
-    """(send, receive) staging bytes a :class:`Resharder` of ``plan`` needs on ``rank``.  Several
-    Resharders that never run at the same time may share one pair of staging buffers of the
-    largest sizes (``staging=``), as the FP8 refit's per-group plans do."""
+def staging_size(plan: Plan, rank: int, verify: bool = False) -> int:
+    """Bytes of the one staging buffer a :class:`Resharder` of ``plan`` needs on ``rank``: the most
+    it sends plus receives in any round (+ a checksum per entry with ``verify``).  Resharders that
+    never run at the same time may share one buffer of the largest size (``staging=``), as the
+    FP8 refit's per-group plans do."""
     trailer = _CS_BYTES if verify else 0
-    send_size = recv_size = 0
-    for sends, recvs in _per_round(plan, rank).values():
-        send_size = max(send_size, sum(m.nbytes + trailer * len(m.entries) for m in sends))
-        recv_size = max(recv_size, sum(m.nbytes + trailer * len(m.entries) for m in recvs))
-    return send_size, recv_size
+    return max((sum(m.nbytes + trailer * len(m.entries) for m in sends + recvs)
+                for sends, recvs in _per_round(plan, rank).values()), default=0)
 
 
 def _group_ranks_hint(world: int) -> str:
@@ -306,14 +304,13 @@ class Resharder:
     ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
     must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
     ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
-    the same everywhere).  ``staging``: (send, receive) uint8 tensors to use instead of allocating
-    staging buffers, when at least :func:`staging_sizes` bytes (shared by Resharders run one after
-    another).
+    the same everywhere).  ``staging``: a uint8 tensor to use instead of allocating the staging
+    buffer, when at least :func:`staging_size` bytes (shared by Resharders run one after another).
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                  group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
-                 staging: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 staging: torch.Tensor | None = None):
         self._shared_staging = staging
         self.plan = plan
         self.group = group
@@ -329,7 +326,10 @@ class Resharder:
         self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
         self._interrupted: dict | None = None
         self._needs_handshake = False
-        agree(group, plan.hash, self._validate(), options=self._options(), timeout=self.timeout_s)
+        # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
+        # every retry and every refit's confirmation carry it; the bound plan is not to be changed
+        self._digest = plan.hash
+        agree(group, self._digest, self._validate(), options=self._options(), timeout=self.timeout_s)
         self._bind()
 
     # ------------------------------------------------------------------ validation and binding
@@ -362,14 +362,14 @@ class Resharder:
         self.padding = [(self.dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == r]
         trailer = _CS_BYTES if self.verify else 0
         per_round = _per_round(plan, r)
-        send_size, recv_size = staging_sizes(plan, r, self.verify)
-        device = self._device()
+        # ONE staging buffer per rank: in each round its front holds the messages this rank sends,
+        # the rest the messages it receives (the plan keeps send + receive <= budget per round)
+        size = staging_size(plan, r, self.verify)
         shared = self._shared_staging
-        if shared is not None and shared[0].numel() >= send_size and shared[1].numel() >= recv_size:
-            self.send_staging, self.recv_staging = shared[0][:send_size], shared[1][:recv_size]
+        if shared is not None and shared.numel() >= size:
+            self.staging = shared[:size]
         else:
-            self.send_staging = torch.empty(send_size, dtype=torch.uint8, device=device)
-            self.recv_staging = torch.empty(recv_size, dtype=torch.uint8, device=device)
+            self.staging = torch.empty(size, dtype=torch.uint8, device=self._device())
         self.rounds: list[_Round] = []
         self.round_numbers: list[int] = []
         # stage at which each destination buffer is first / last written (-1: local copies and padding)
@@ -390,14 +390,13 @@ class Resharder:
             base = 0
             for m in sends:
                 size = m.nbytes + trailer * len(m.entries)
-                buf = self.send_staging[base:base + size]
+                buf = self.staging[base:base + size]
                 pairs = [(self._view(buf, c), self.src[c.src_buffer][c.src_local.slices()]) for c in m.entries]
                 rnd.sends.append((m.dst, buf, pairs, m))
                 base += size
-            base = 0
-            for m in recvs:
+            for m in recvs:             # right after this round's sends, in the same buffer
                 size = m.nbytes + trailer * len(m.entries)
-                buf = self.recv_staging[base:base + size]
+                buf = self.staging[base:base + size]
                 pairs = [(self._view(buf, c), self.dst[c.dst_buffer][c.dst_local.slices()]) for c in m.entries]
                 rnd.recvs.append((m.src, buf, pairs, m))
                 base += size
@@ -424,7 +423,9 @@ class Resharder:
 
     @property
     def staging_bytes(self) -> int:
-        return self.send_staging.numel() + self.recv_staging.numel()
+        """Bytes of this rank's one staging buffer (<= the plan's budget, + 16 B per entry when
+        ``verify``): the most this rank stages to send plus receive in any one round."""
+        return self.staging.numel()
 
     def rebind(self, group=None) -> None:
         """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke
@@ -438,7 +439,7 @@ class Resharder:
         self.group = group
         self.world = dist.get_world_size(group)
         errors = errors or self._validate()
-        agree(group, self.plan.hash, errors, options=self._options(), timeout=self.timeout_s)
+        agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s)
         self._needs_handshake = False
 
     # ------------------------------------------------------------------ state
@@ -486,7 +487,7 @@ class Resharder:
         v = self.version + 1 if version is None else int(version)
         if self._needs_handshake and self.confirm:
             try:
-                agree(self.group, self.plan.hash, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
+                agree(self.group, self._digest, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
             except ReshardError as e:
                 raise ReshardError(f"rank {self.rank}: cannot retry refit {v}: {e} -- after an interrupted refit on a "
                                    "broken process group, call rebind(new_group) on every rank first") from e
@@ -590,7 +591,7 @@ class Resharder:
         """Every rank reports (version, ok); raise unless every rank landed this version."""
         t0 = time.monotonic()
         try:
-            msgs = _exchange(self.group, 3, digest=self.plan.hash, version=v, ok=not problems,
+            msgs = _exchange(self.group, 3, digest=self._digest, version=v, ok=not problems,
                              text="; ".join(problems[:8]), timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001
             raise TransferError(

@@ -16,8 +16,8 @@ Quantization of one block ``x`` (the DeepSeek-V3 checkpoint recipe)::
     w = (x.float() / scale_inv).clamp(-448, 448).to(float8_e4m3fn)   (round to nearest even)
 
 Temporaries (assembled blocks, FP8 results, scales) live in one uint8 arena per rank, sized for
-the largest group and reused by every group; all sub-Resharders share one pair of staging buffers.
-gloo has no float8 dtype: the staging buffers are uint8 and FP8 entries are byte views of them.
+the largest group and reused by every group; all sub-Resharders share one staging buffer.
+gloo has no float8 dtype: the staging buffer is uint8 and FP8 entries are byte views of them.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Mapping
 
 import torch
 
-from .executor import ReshardError, Resharder, agree, staging_sizes, torch_dtype
+from .executor import ReshardError, Resharder, agree, staging_size, torch_dtype
 from .fp8_layout import DEFAULT_BLOCK, FP8_MAX
 from .fp8_plan import Fp8Plan
 
@@ -105,9 +105,7 @@ class Fp8Resharder:
         device = tensors[0].device if tensors else torch.device("cpu")
         self.arena = torch.empty(plan.arena.get(rank, 0), dtype=torch.uint8, device=device)
         plans = [plan.rest] + [p for g in plan.groups for p in (g.assembly, g.stage_b) if p is not None]
-        sizes = [staging_sizes(p, rank, verify) for p in plans]
-        staging = (torch.empty(max(s for s, _ in sizes), dtype=torch.uint8, device=device),
-                   torch.empty(max(r for _, r in sizes), dtype=torch.uint8, device=device))
+        staging = torch.empty(max(staging_size(p, rank, verify) for p in plans), dtype=torch.uint8, device=device)
         kw = dict(timeout=timeout, verify=verify, staging=staging)
         self.rest = Resharder(plan.rest, _pick(src, plan.rest, "src", rank), _pick(dst, plan.rest, "dst", rank), group, **kw)
         self.groups = []

@@ -23,15 +23,18 @@ Example, one ``[4, 2]`` float32 tensor, source tp=2 on ranks 0-1, destination un
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from bisect import bisect_left
 from heapq import heapify, heapreplace
+from math import prod
+from operator import add, itemgetter, sub
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .box import Box, split_box, subtract
+from .box import Box, split_box, subtract, unchecked_box
 from .layout import Layout, Piece, itemsize
 
 DEFAULT_BUDGET = 256 << 20
@@ -67,7 +70,30 @@ class Copy:
 
     @staticmethod
     def from_json(o) -> "Copy":
+        if len(o) == 10 and all(isinstance(x, int) for x in (o[2], o[5], o[8], o[9])):
+            return _copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
         return Copy(o[0], Box.from_json(o[1]), o[2], o[3], Box.from_json(o[4]), o[5], o[6], Box.from_json(o[7]), o[8], o[9])
+
+
+_new = object.__new__
+_setattr = object.__setattr__
+_UNSET = object()
+
+
+def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
+    """``Copy(...)`` without the frozen-dataclass ``__init__`` overhead (same object)."""
+    c = _new(Copy)
+    _setattr(c, "__dict__", {"tensor": tensor, "box": box, "src": src, "src_buffer": src_buffer, "src_local": src_local,
+                             "dst": dst, "dst_buffer": dst_buffer, "dst_local": dst_local, "nbytes": nbytes,
+                             "offset": offset})
+    return c
+
+
+def _box_json(o) -> Box:
+    offs, sizes = tuple(o[0]), tuple(o[1])
+    if len(offs) == len(sizes) and (not sizes or (min(sizes) >= 0 and min(offs) >= 0)):
+        return unchecked_box(offs, sizes)
+    return Box(offs, sizes)     # raises the checked constructor's error
 
 
 @dataclass(frozen=True)
@@ -147,6 +173,7 @@ class Plan:
             f"bytes copied local {s['local_bytes']:,}",
             f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
             f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
+            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
             f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
         ]
         return "\n".join(lines)
@@ -178,26 +205,36 @@ def _atoms(boxes: list[Box]) -> list[tuple[Box, list[int]]]:
 
 def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str, Piece]]]]]:
     """tensor -> disjoint source boxes, each with its holders (rank, buffer, piece), sorted."""
-    by_tensor: dict[str, dict[Box, list]] = defaultdict(dict)
-    for r, buf, p in src.iter_pieces():
-        by_tensor[p.tensor].setdefault(p.box, []).append((r, buf.name, p))
+    by_tensor: dict[str, dict[tuple, tuple[Box, list]]] = defaultdict(dict)
+    for r, bufs in sorted(src.buffers.items()):
+        for bname in sorted(bufs):
+            for p in bufs[bname].pieces:
+                b = p.box
+                key = (b.offsets, b.sizes)      # orders like the Box itself, hashes much faster
+                entry = by_tensor[p.tensor].get(key)
+                if entry is None:
+                    entry = by_tensor[p.tensor][key] = (b, [])
+                entry[1].append((r, bname, p))
     out = {}
     for name, boxes in by_tensor.items():
-        items = sorted(boxes.items())
-        if _disjoint([b for b, _ in items]):
-            out[name] = items
+        keys = sorted(boxes)
+        if _disjoint(keys):
+            out[name] = [boxes[k] for k in keys]
         else:
-            keys = [b for b, _ in items]
-            out[name] = [(atom, sorted(h for i in idx for h in items[i][1])) for atom, idx in _atoms(keys)]
+            items = [boxes[k] for k in keys]
+            out[name] = [(atom, sorted(h for i in idx for h in items[i][1])) for atom, idx in _atoms([b for b, _ in items])]
     return out
 
 
-def _disjoint(boxes: list[Box]) -> bool:
-    for i, a in enumerate(boxes):            # boxes sorted by offsets
-        for b in boxes[i + 1:]:
-            if a.ndim and b.offsets[0] >= a.ends[0]:
-                break
-            if a.intersect(b) is not None:
+def _disjoint(keys: list[tuple]) -> bool:
+    """Whether boxes given as sorted (offsets, sizes) tuples are pairwise disjoint."""
+    for i, (ao, asz) in enumerate(keys):
+        ae = tuple(map(add, ao, asz))
+        for j in range(i + 1, len(keys)):
+            bo, bs = keys[j]
+            if ao and bo[0] >= ae[0]:
+                break                        # sorted by offsets: no later box reaches back into a
+            if not asz or min(map(sub, map(min, ae, map(add, bo, bs)), map(max, ao, bo))) > 0:
                 return False
     return True
 
@@ -230,96 +267,194 @@ def _uncovered(box: Box, covering: list[Box]) -> Box:
     return rest[0]
 
 
+def _raise_uncovered(tensors: dict, index: dict, r: int, bname: str, dp: Piece, covering: list[Box]) -> None:
+    hole = _uncovered(dp.box, covering)
+    have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(dp.tensor, ())[:6]) or "none"
+    raise PlanError(f"tensor {dp.tensor}: destination rank {r} buffer {bname} needs {dp.box} of "
+                    f"shape {tensors[dp.tensor]['shape']}, but no source covers {hole} (source boxes: {have})")
+
+
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
               ignore_unused: bool = False) -> Plan:
     """Plan the transfer of every destination piece from the source layout.
 
-    ``budget_bytes`` is the hard per-rank staging limit, on the send and on the receive side, per
-    round; larger copies are split.  Raises :class:`PlanError` before anything is planned to move
+    ``budget_bytes`` is the hard per-rank staging limit per round: the bytes a rank stages to send
+    plus the bytes it stages to receive in one round never exceed it (the executor allocates one
+    staging buffer per rank of at most this size); larger copies are split.  Raises :class:`PlanError` before anything is planned to move
     when the layouts disagree (names, shapes, dtypes) or a destination region has no source.
     """
     if budget_bytes < 1024:
         raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
+    # planning allocates millions of small acyclic objects: the cyclic garbage collector would
+    # rescan the (large) layouts many times over for nothing, so it is paused while planning
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ignore_unused: bool) -> Plan:
     tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
     index = _source_index(src)
 
-    local: list[Copy] = []
-    remote: list[tuple[Box, str, list[tuple[int, str, Piece]], int, str, Piece, int]] = []
-    lower_bound = 0
-    starts = {name: ([b.offsets[0] if b.ndim else 0 for b, _ in items], max((b.sizes[0] if b.ndim else 1) for b, _ in items))
-              for name, items in index.items()}
-    holder_ranks = {id(h): {x[0] for x in h} for items in index.values() for _, h in items}
-    for r, buf, dp in dst.iter_pieces():
-        isz = itemsize(tensors[dp.tensor]["src_dtype"])
-        covering = []
-        items = index.get(dp.tensor, ())
-        lo = hi = 0
-        if items:   # source boxes are sorted by dim-0 offset: only those that can reach dp's rows
-            first, longest = starts[dp.tensor]
-            if dp.box.ndim:
-                lo = bisect_left(first, dp.box.offsets[0] - longest + 1)
-                hi = bisect_left(first, dp.box.offsets[0] + dp.box.sizes[0])
-            else:
-                hi = len(items)
-        for sbox, holders in items[lo:hi]:
-            region = sbox.intersect(dp.box)
-            if region is None:
+    # source boxes of every tensor as plain tuples (offsets, ends, holders, holder ranks), sorted
+    # by dim-0 offset, with the dim-0 starts and the longest dim-0 size for a bisect window; tensors
+    # whose source boxes are the same (e.g. one per layer) share a shape id, so the geometry of a
+    # destination piece against them is computed once (``regions_of``) and reused for every layer
+    sources: dict[str, tuple[list, int]] = {}
+    shape_ids: dict[tuple, int] = {}
+    windows: list[tuple[list, list[int], int]] = []
+    for name, items in index.items():
+        keys = tuple((b.offsets, b.sizes) for b, _ in items)
+        sid = shape_ids.get(keys)
+        if sid is None:
+            sid = shape_ids[keys] = len(windows)
+            windows.append(([(b.offsets, b.ends) for b, _ in items], [b.offsets[0] if b.ndim else 0 for b, _ in items],
+                            max((b.sizes[0] if b.ndim else 1) for b, _ in items)))
+        sources[name] = ([(h, frozenset(x[0] for x in h)) for _, h in items], sid)
+    local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
+
+    def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
+        key = id(p)
+        if key in local_maps:
+            delta = local_maps[key]
+        else:
+            delta = local_maps[key] = (tuple(l - g for l, g in zip(p.local.offsets, p.box.offsets))
+                                       if p.box.sizes == p.local.sizes else None)
+        if delta is not None:
+            return tuple(map(add, offs, delta)), sizes
+        b = p.local_of(unchecked_box(offs, sizes))
+        return b.offsets, b.sizes
+
+    geometry: dict[tuple, tuple[int, list]] = {}
+
+    def regions_of(sid: int, dp: Piece) -> tuple[int, list]:
+        """(elements covered, [(source row, offsets, sizes, elements, Box, dst local offsets, dst
+        local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``."""
+        dbox = dp.box
+        key = (sid, dbox.offsets, dbox.sizes, dp.local.offsets, dp.local.sizes)
+        got = geometry.get(key)
+        if got is not None:
+            return got
+        spans, first, longest = windows[sid]
+        do, de = dbox.offsets, dbox.ends
+        lo_i, hi_i = (bisect_left(first, do[0] - longest + 1), bisect_left(first, de[0])) if do else (0, len(spans))
+        out, covered = [], 0
+        for k in range(lo_i, hi_i):
+            so, se = spans[k]
+            lo = tuple(map(max, so, do))
+            sizes = tuple(map(sub, map(min, se, de), lo))
+            if sizes and min(sizes) <= 0:
                 continue
-            covering.append(region)
-            mine = next((h for h in holders if h[0] == r), None) if r in holder_ranks[id(holders)] else None
-            if mine:
-                hr, hb, hp = mine
-                local.append(Copy(dp.tensor, region, hr, hb, hp.local_of(region), r, buf.name, dp.local_of(region),
-                                  region.numel * isz))
-            else:
-                remote.append((region, dp.tensor, holders, r, buf.name, dp, isz))
-                lower_bound += region.numel * isz
-        if sum(c.numel for c in covering) != dp.box.numel:
-            hole = _uncovered(dp.box, covering)
-            have = ", ".join(f"{b} on ranks {_fmt_ranks(h)}" for b, h in index.get(dp.tensor, ())[:6]) or "none"
-            raise PlanError(f"tensor {dp.tensor}: destination rank {r} buffer {buf.name} needs {dp.box} of "
-                            f"shape {tensors[dp.tensor]['shape']}, but no source covers {hole} (source boxes: {have})")
+            numel = prod(sizes)
+            covered += numel
+            dlo, dls = to_local(dp, lo, sizes)
+            out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, unchecked_box(dlo, dls)))
+        got = geometry[key] = (covered, out)
+        return got
+
+    local: list[Copy] = []
+    # remote regions: (offsets, sizes, tensor, holders, dst rank, dst buffer, dst piece, itemsize,
+    # bytes, Box, dst local offsets, dst local sizes, dst local Box)
+    remote: list[tuple] = []
+    lower_bound = 0
+    for r, bufs in sorted(dst.buffers.items()):
+        for bname in sorted(bufs):
+            for dp in bufs[bname].pieces:
+                tname = dp.tensor
+                isz = itemsize(tensors[tname]["src_dtype"])
+                src_rows = sources.get(tname)
+                covered, regions = regions_of(src_rows[1], dp) if src_rows else (0, ())
+                for k, lo, sizes, numel, rbox, dlo, dls, dlbox in regions:
+                    holders, hranks = src_rows[0][k]
+                    if r in hranks:
+                        hr, hb, hp = next(h for h in holders if h[0] == r)
+                        slo, sls = to_local(hp, lo, sizes)
+                        local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
+                    else:
+                        remote.append((lo, sizes, tname, holders, r, bname, dp, isz, numel * isz, rbox, dlo, dls, dlbox))
+                        lower_bound += numel * isz
+                if covered != dp.box.numel:
+                    _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
 
     # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
     load: dict[int, int] = defaultdict(int)
-    order = sorted(range(len(remote)), key=lambda i: (-remote[i][0].numel * remote[i][6], remote[i][1],
-                                                      remote[i][0], remote[i][3], remote[i][4]))
+    order = [k[-1] for k in sorted([(-x[8], x[2], x[0], x[1], x[4], x[5], i) for i, x in enumerate(remote)])]
     chosen: dict[int, tuple[int, str, Piece]] = {}
     heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
     first_holder: dict[int, dict] = {}
     for i in order:
-        region, _, holders, _, _, _, isz = remote[i]
+        holders = remote[i][3]
         key = id(holders)
         heap = heaps.get(key)
         if heap is None:
-            first_holder[key] = {}
+            firsts = first_holder[key] = {}
             for h in holders:
-                first_holder[key].setdefault(h[0], h)
-            heap = heaps[key] = [(load[q], q) for q in sorted(first_holder[key])]
+                firsts.setdefault(h[0], h)
+            heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
             heapify(heap)
-        while heap[0][0] != load[heap[0][1]]:   # loads only grow: a stale top is refreshed and re-sorted
-            heapreplace(heap, (load[heap[0][1]], heap[0][1]))
-        best = heap[0][1]
+        if len(heap) == 1:              # one holder rank: nothing to choose
+            best = heap[0][1]
+            chosen[i] = first_holder[key][best]
+            load[best] += remote[i][8]
+            continue
+        top = heap[0]
+        while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+            heapreplace(heap, (load[top[1]], top[1]))
+            top = heap[0]
+        best = top[1]
         chosen[i] = first_holder[key][best]
-        load[best] += region.numel * isz
+        load[best] += remote[i][8]
         heapreplace(heap, (load[best], best))
     _rebalance(remote, chosen, load)
 
-    copies: list[Copy] = []
-    for i in sorted(chosen, key=lambda i: (chosen[i][0], remote[i][3], remote[i][1], remote[i][0])):
-        region, tensor, _, dr, dbuf, dpiece, isz = remote[i]
-        sr, sbuf, spiece = chosen[i]
-        for sub in split_box(region, max(1, (budget_bytes - ALIGN) // isz)):
-            copies.append(Copy(tensor, sub, sr, sbuf, spiece.local_of(sub), dr, dbuf, dpiece.local_of(sub), sub.numel * isz))
+    # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, src buffer, src local Box, dst
+    # buffer, dst local offsets, dst local sizes, sequence number, Box, dst local Box); Copy
+    # objects are made once, at packing, with their staging offset
+    # (in greedy order: the sequence number only orders copies that tie on everything else)
+    copies: list[tuple] = []
+    src_boxes: dict[tuple, Box] = {}
+    for i, (sr, sbuf, spiece) in chosen.items():
+        offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes, rbox, dlo, dls, dlbox = remote[i]
+        max_elems = max(1, (budget_bytes - ALIGN) // isz)
+        if nbytes // isz <= max_elems:
+            delta = local_maps.get(id(spiece), _UNSET)
+            if delta is not None and delta is not _UNSET:     # source local box = box shifted by delta
+                skey = (id(rbox), delta)
+                slbox = src_boxes.get(skey)
+                if slbox is None:
+                    slbox = src_boxes[skey] = unchecked_box(tuple(map(add, offs, delta)), sizes)
+            else:
+                slbox = unchecked_box(*to_local(spiece, offs, sizes))
+            copies.append((-nbytes, sr, dr, tname, offs, sizes, sbuf, slbox, dbuf, dlo, dls, len(copies), rbox, dlbox))
+            continue
+        for b in split_box(rbox, max_elems):
+            so, ss = b.offsets, b.sizes
+            slo, sls = to_local(spiece, so, ss)
+            dlo, dls = to_local(dpiece, so, ss)
+            copies.append((-prod(ss) * isz, sr, dr, tname, so, ss, sbuf, unchecked_box(slo, sls), dbuf, dlo, dls,
+                           len(copies), b, unchecked_box(dlo, dls)))
 
     messages, rounds = _pack_rounds(copies, budget_bytes)
-    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items()) for box in buf.padding()]
+    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items())
+               if sum(prod(p.local.sizes) for p in buf.pieces) != prod(buf.shape) for box in buf.padding()]
+    metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
+
+    def meta(b) -> list:
+        m = metas.get((b.shape, b.dtype))
+        if m is None:
+            m = metas[(b.shape, b.dtype)] = [list(b.shape), b.dtype]
+        return m
+
     buffers = {
-        "src": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
-        "dst": {r: {n: [list(b.shape), b.dtype] for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
+        "src": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
+        "dst": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
     }
-    plan = Plan(tensors, buffers, messages, sorted(local, key=lambda c: (c.dst, c.dst_buffer, c.dst_local)),
-                padding, budget_bytes, rounds)
+    local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
+    plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
     plan.stats = plan_stats(plan, lower_bound)
     plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
     return plan
@@ -336,8 +471,7 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         top = max(load, key=lambda q: (load[q], -q))
         best_move = None
         for i in sorted(by_sender[top]):
-            region, _, holders, _, _, _, isz = remote[i]
-            n = region.numel * isz
+            holders, n = remote[i][3], remote[i][8]
             for q in sorted({x[0] for x in holders}):
                 if q != top and load[q] + n < load[top]:
                     key = (load[q] + n, q, i)
@@ -346,48 +480,99 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         if best_move is None:
             return
         _, i, q, n = best_move
-        chosen[i] = next(h for h in remote[i][2] if h[0] == q)
+        chosen[i] = next(h for h in remote[i][3] if h[0] == q)
         by_sender[top].discard(i)
         by_sender[q].add(i)
         load[top] -= n
         load[q] += n
 
 
-def _pack_rounds(copies: list[Copy], budget: int) -> tuple[list[Message], int]:
-    """First-fit decreasing into rounds so that no rank stages more than ``budget`` bytes to send
-    or to receive in one round; then one message per (round, src, dst) with 16-byte aligned entries."""
-    send: list[dict[int, int]] = []
-    recv: list[dict[int, int]] = []
-    placed: dict[tuple[int, int, int], list[Copy]] = defaultdict(list)
-    # first round worth trying per rank: copies come largest first, so a round with less room
-    # than the current copy is skipped for this rank from then on (keeps first-fit near-linear)
-    low_s: dict[int, int] = defaultdict(int)
-    low_r: dict[int, int] = defaultdict(int)
-    for c in sorted(copies, key=lambda c: (-c.nbytes, c.src, c.dst, c.tensor, c.box)):
-        n = _align(c.nbytes)
-        ks, kr = low_s[c.src], low_r[c.dst]
-        while ks < len(send) and send[ks].get(c.src, 0) + n > budget:
-            ks += 1
-        while kr < len(recv) and recv[kr].get(c.dst, 0) + n > budget:
-            kr += 1
-        low_s[c.src], low_r[c.dst] = ks, kr
-        k = max(ks, kr)
-        while k < len(send) and (send[k].get(c.src, 0) + n > budget or recv[k].get(c.dst, 0) + n > budget):
-            k += 1
-        if k == len(send):
-            send.append({})
-            recv.append({})
-        send[k][c.src] = send[k].get(c.src, 0) + n
-        recv[k][c.dst] = recv[k].get(c.dst, 0) + n
-        placed[(k, c.src, c.dst)].append(c)
+def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
+    """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
+    still have room) into rounds so that, in every round, what a rank stages to send plus
+    what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
+    between the send and the receive part of each round); then one message per (round, src, dst)
+    with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
+    before), and a remote copy's two ranks differ, so a fresh round always has room for it.
+
+    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes, src
+    buffer, src local Box, dst buffer, dst local offsets, dst local sizes, sequence number (ties
+    keep the order given, as a stable sort would), Box, dst local Box)."""
+    # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
+    # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
+    # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
+    # extended with ones past its end.  Copies come largest first, so lim only grows; a mask is
+    # recomputed only when lim reaches the least usage among the rounds it leaves out (usage only
+    # grows, so that least usage, kept as a lower bound, never misses a round that gained room).
+    used: dict[int, list[int]] = {}
+    masks: dict[int, list] = {}         # rank -> [lim, mask, least usage of a left-out round]
+    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
+    rounds = 0
+    inf = float("inf")
+
+    def mask_of(r: int, lim: int) -> int:
+        u = used.get(r)
+        if u is None:
+            u = used[r] = []
+        m = masks.get(r)
+        if m is None:
+            m = masks[r] = [lim, 0, inf]
+        elif m[0] != lim:
+            m[0] = lim
+            if lim >= m[2]:
+                m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+                m[2] = min((x for x in u if x > lim), default=inf)
+        return m[1] | (-1 << len(u))
+
+    for c in sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11)):
+        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        lim = budget - n
+        s, d = c[1], c[2]
+        both = mask_of(s, lim) & mask_of(d, lim)
+        k = (both & -both).bit_length() - 1
+        for r in (s, d):
+            u = used[r]
+            m = masks[r]
+            if len(u) <= k:             # new rounds start empty: room in every one of them
+                m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                u.extend([0] * (k + 1 - len(u)))
+            u[k] += n
+            if u[k] > lim:
+                m[1] &= ~(1 << k)
+                if u[k] < m[2]:
+                    m[2] = u[k]
+        if k >= rounds:
+            rounds = k + 1
+        placed[(k, s, d)].append(c)
     messages = []
+    entry_key = itemgetter(3, 4, 5, 8, 9, 10, 11)     # tensor, box, dst buffer, dst local box
     for (k, s, d) in sorted(placed):
         entries, off = [], 0
-        for c in sorted(placed[(k, s, d)], key=lambda c: (c.tensor, c.box, c.dst_buffer, c.dst_local)):
-            entries.append(Copy(c.tensor, c.box, c.src, c.src_buffer, c.src_local, c.dst, c.dst_buffer, c.dst_local, c.nbytes, off))
-            off += _align(c.nbytes)
+        for c in sorted(placed[(k, s, d)], key=entry_key):
+            entries.append(_copy(c[3], c[12], s, c[6], c[7], d, c[8], c[13], -c[0], off))
+            off += (-c[0] + ALIGN - 1) // ALIGN * ALIGN
         messages.append(Message(k, s, d, off, tuple(entries)))
-    return messages, len(send)
+    return messages, rounds
+
+
+def plan_part(plan: Plan, rank: int) -> Plan:
+    """One rank's own part of ``plan``: the messages it sends or receives, its local copies and its
+    padding, with the plan's tensors, buffers (all ranks: peers' buffer metadata is what
+    :func:`validate_plan` checks a message against), budget and round numbers unchanged, so every
+    entry is exactly the whole plan's (same rounds, offsets, senders).  Ranks still agree on the
+    whole plan's :attr:`Plan.hash` before a transfer (a part's own hash differs from rank to rank).
+
+    There is no cheaper way to get the part than from the whole plan: the sender of a replicated
+    region is chosen by a greedy over *all* regions (a rank's load depends on every other
+    choice), and a message's round by a first-fit over *all* copies (a round's room on a rank
+    depends on its other peers), so a rank-local computation would give a different plan.
+    ``validate_plan(plan_part(p, r), r)`` checks the same things as ``validate_plan(p, r)``."""
+    messages = [m for m in plan.messages if m.src == rank or m.dst == rank]
+    local = [c for c in plan.local_copies if c.dst == rank or c.src == rank]
+    padding = [x for x in plan.padding if x[0] == rank]
+    part = Plan(plan.tensors, plan.buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
+    part.stats = {"rank": rank}
+    return part
 
 
 def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
@@ -395,12 +580,15 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    stage: dict[tuple[int, int], int] = defaultdict(int)
     for m in plan.messages:
         payload = sum(c.nbytes for c in m.entries)
         sent[m.src] += payload
         recv[m.dst] += payload
         stage_send[(m.round, m.src)] += m.nbytes
         stage_recv[(m.round, m.dst)] += m.nbytes
+        stage[(m.round, m.src)] += m.nbytes
+        stage[(m.round, m.dst)] += m.nbytes
     network = sum(sent.values())
     pad = 0
     for r, b, box in plan.padding:
@@ -419,6 +607,8 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
         "max_recv_bytes": max(recv.values(), default=0),
         "max_stage_send_bytes": max(stage_send.values(), default=0),
         "max_stage_recv_bytes": max(stage_recv.values(), default=0),
+        # one staging buffer per rank holds a round's sends and receives together: its size
+        "max_stage_bytes": max(stage.values(), default=0),
     }
 
 

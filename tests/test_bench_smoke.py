@@ -97,6 +97,7 @@ def test_full_size_pipeline_on_scaled_down_dsv3(tmp_path):
     assert res["baseline"]["bytes"] > p["network_bytes"]
     assert p["rounds"] >= 1 and p["messages"] > 0 and res["plan_tracemalloc_peak"] > 0
     assert p["max_stage_send_bytes"] <= 1 << 20 and p["max_stage_recv_bytes"] <= 1 << 20
+    assert p["max_stage_bytes"] <= 1 << 20
     for c in res["cost"].values():
         assert 0 < c["link_bound_s"] <= c["predicted_s"]
         assert c["hier_link_bound_s"] <= c["link_bound_s"] * (1 + 1e-9)

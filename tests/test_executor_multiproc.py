@@ -20,6 +20,8 @@ def _check(results, n_cases):
             # messages and bytes actually sent equal what the plan assigns to this rank
             assert r["messages_sent"] == r["expected_messages"], r
             assert r["bytes_sent"] == r["expected_bytes"], r
+            # one staging buffer per rank: send + receive of its fullest round, within the budget
+            assert r["staging_bytes"] == r["expected_staging"] <= r["budget"], r
         stats = per_rank[0]["stats"]
         assert stats["network_bytes"] == stats["lower_bound_bytes"]
 

@@ -27,6 +27,7 @@ def test_budget_splits_large_copies_into_rounds():
     plan = make_plan(src, dst, budget_bytes=1024)
     check_plan(src, dst, plan)
     assert plan.stats["max_stage_send_bytes"] <= 1024 and plan.stats["max_stage_recv_bytes"] <= 1024
+    assert plan.stats["max_stage_bytes"] <= 1024
     # every rank receives ~2816 B: at least ceil(2816/1024) = 3 rounds, and packing should not need many more
     need = math.ceil(plan.stats["max_recv_bytes"] / 1024)
     assert need <= plan.rounds <= need + 2
@@ -100,3 +101,34 @@ def test_errors_name_tensor_ranks_and_region():
                                                              Piece("w", Box((4, 0), (4, 4)), Box((2, 0), (4, 4))))))
     with pytest.raises(MeshError, match=r"rank 5 is outside the mesh Mesh\(tp=2\) \(ranks 0..1\)"):
         Mesh.of({"tp": 2}).coord(5)
+
+
+def test_one_rank_part_is_the_whole_plan_restricted_to_that_rank():
+    from mcore_reshard.planner import plan_part, validate_plan
+    src = sharded("w", (64, 33), Mesh.of({"tp": 2, "dp": 2}), [("tp", 0)])
+    dst = sharded("w", (64, 33), Mesh.of({"tp": 3}, 2), [("tp", 0)], mode="even")
+    plan = make_plan(src, dst, budget_bytes=1024)
+    for r in plan.ranks:
+        part = plan_part(plan, r)
+        assert part.messages == [m for m in plan.messages if r in (m.src, m.dst)]
+        assert part.rounds == plan.rounds and validate_plan(part, r) == validate_plan(plan, r) == []
+    assert sum(len(plan_part(plan, r).messages) for r in plan.ranks) == 2 * len(plan.messages)
+
+
+def test_one_staging_buffer_holds_sends_and_receives_within_the_budget():
+    # colocated, every rank sends and receives: the sum per round is what the budget bounds
+    src = sharded("w", (96, 40), Mesh.of({"tp": 4}), [("tp", 0)])
+    dst = sharded("w", (96, 40), Mesh.of({"tp": 4}), [("tp", 1)])
+    plan = make_plan(src, dst, budget_bytes=4096)
+    check_plan(src, dst, plan)
+    per = {}
+    for m in plan.messages:
+        for r in (m.src, m.dst):
+            per[(m.round, r)] = per.get((m.round, r), 0) + m.nbytes
+    assert max(per.values()) == plan.stats["max_stage_bytes"] <= 4096
+    sends = {k for k in per if any(m.src == k[1] and m.round == k[0] for m in plan.messages)}
+    recvs = {k for k in per if any(m.dst == k[1] and m.round == k[0] for m in plan.messages)}
+    assert sends & recvs, "some rank should both send and receive in one round"
+    # rounds stay near the lower bound: each rank's send + receive bytes / budget
+    moved = {r: sum(m.nbytes for m in plan.messages if r in (m.src, m.dst)) for r in plan.ranks}
+    assert plan.rounds <= math.ceil(max(moved.values()) / 4096) + 3

@@ -123,7 +123,7 @@ def run_case(src: Layout, dst: Layout, budget: int, cast: bool, seed: int) -> li
     lb = brute_lower_bound(src, dst)
     if not plan.stats["network_bytes"] == lb == plan.stats["lower_bound_bytes"]:
         problems.append(f"network bytes {plan.stats['network_bytes']} != lower bound {lb}")
-    if max(plan.stats["max_stage_send_bytes"], plan.stats["max_stage_recv_bytes"]) > budget:
+    if plan.stats["max_stage_bytes"] > budget:
         problems.append("staging budget exceeded")
     return problems
 

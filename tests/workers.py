@@ -20,6 +20,12 @@ def scenarios(rank: int, world: int, cases: list) -> list:
                          allow_cast=kw.get("dst_dtype") not in (None, kw.get("src_dtype", "float32")))
         res["expected_messages"] = sum(1 for m in plan.messages if m.src == rank)
         res["expected_bytes"] = sum(m.nbytes for m in plan.messages if m.src == rank)
+        res["budget"] = plan.budget_bytes
+        per_round: dict[int, int] = {}
+        for m in plan.messages:
+            if rank in (m.src, m.dst):
+                per_round[m.round] = per_round.get(m.round, 0) + m.nbytes
+        res["expected_staging"] = max(per_round.values(), default=0)
         out.append(res)
         dist.barrier()
     return out
