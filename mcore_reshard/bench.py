@@ -634,7 +634,7 @@ def markdown_live(rows: list[dict]) -> str:
                 continue
             ratio = f"{e['median_s'] / ours:.2f}x" if ours else "-"
             ex = "yes" if e.get("bit_exact") else f"NO ({e.get('differ')} of {e.get('tensors')} differ)"
-            extra = f" ({e['rounds']} round(s))" if m == "mcore_reshard" else ""
+            extra = f" ({e['rounds']} round(s))" if m.startswith("mcore_reshard") else ""
             vs_lb = f"{e['bytes'] / lb:.2f}" if lb else "-"
             lines.append(f"| {r['size']} ({r['params'] / 1e6:.0f}M) | {r['case']} | {m} | {e['median_s']:.3f} | "
                          f"{e['min_s']:.3f}-{e['max_s']:.3f} | {ratio} | {e['bytes'] / 1e6:,.1f} MB | {vs_lb} | "

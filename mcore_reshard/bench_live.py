@@ -6,6 +6,8 @@ model size and every layout pair, every rank builds both Megatron-Core models (c
 holds a shard of the source *and* of the destination), then each method in turn:
 
 1. zero every destination parameter and buffer (so a method that moves nothing fails the check);
+   (with ``MCORE_RESHARD_BENCH_BATCHED=1`` in the environment, ``mcore_reshard_batched`` is also
+   timed: the same Resharder with ``overlap=False``, i.e. one grouped ``batch_isend_irecv`` per round);
 2. one warm-up call (plan building, caches, first-touch of staging memory), then ``reps`` timed
    calls, each between two barriers; for each timed call the peak resident memory above the
    resident memory before the call (``/proc/self/status`` VmHWM after resetting it through
@@ -365,6 +367,38 @@ def _timed(fn, reps: int) -> dict:
     return {"warmup_s": warm, "times": times, "peak_added": max(peaks) if peaks else -1}
 
 
+def _timed_ab(refit, reps: int) -> tuple[dict, dict]:
+    """Like :func:`_timed` for ``refit.refit()`` with the Resharder's default ``overlap`` and with
+    ``overlap=False``, alternating call by call (one warm-up each)."""
+    res = refit.resharder
+
+    def call(overlap):
+        res.overlap = overlap
+        refit.refit()
+
+    out = {}
+    for overlap in (None, False):
+        t0 = time.perf_counter()
+        call(overlap)
+        dist.barrier()
+        out[overlap] = {"warmup_s": time.perf_counter() - t0, "times": [], "peaks": []}
+    can_peak = reset_peak()
+    for i in range(2 * reps):
+        overlap = (None, False)[(i + i // 2) % 2]     # A B B A A B B A ...
+        dist.barrier()
+        before = rss_bytes()
+        reset_peak()
+        t = time.perf_counter()
+        call(overlap)
+        dist.barrier()
+        out[overlap]["times"].append(time.perf_counter() - t)
+        out[overlap]["peaks"].append(max(0, peak_bytes() - before) if can_peak else -1)
+    res.overlap = None
+    for o in out.values():
+        o["peak_added"] = max(o.pop("peaks")) if reps else -1
+    return out[None], out[False]
+
+
 def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budget: int, dtype_name: str,
                 methods: list) -> list:
     """One rank of the live benchmark (run through ``tests/mcore_cpu.spawn``)."""
@@ -400,7 +434,16 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                 res["plan_s"] = time.perf_counter() - t
             if "mcore_reshard" in methods:
                 _zero(dst)
-                r = _timed(lambda: refit.refit(), reps)
+                ab = os.environ.get("MCORE_RESHARD_BENCH_BATCHED") == "1"
+                if ab:
+                    # A/B in the same run, interleaved call by call (machine load drifts): the same
+                    # Resharder with its default (overlapped on gloo) and with overlap=False (one
+                    # grouped batch_isend_irecv per round: pack all, exchange all, unpack all, as on NCCL)
+                    r, b = _timed_ab(refit, reps)
+                    _zero(dst)
+                    refit.refit()       # the default path lands the bytes checked below
+                else:
+                    r = _timed(lambda: refit.refit(), reps)
                 st = refit.plan.stats
                 r.update(sent_bytes=int(st["sent_bytes"].get(str(rank), 0)),
                          sent_msgs=sum(1 for m in refit.plan.messages if m.src == rank),
@@ -408,6 +451,15 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                          lower_bound_bytes=st["lower_bound_bytes"], network_bytes=st["network_bytes"],
                          exact=_exactness(worker_mod, dst, src_ref))
                 res["methods"]["mcore_reshard"] = r
+                if ab:
+                    b.update({k: r[k] for k in ("sent_bytes", "sent_msgs", "rounds", "staging_bytes",
+                                                "lower_bound_bytes", "network_bytes")})
+                    refit.resharder.overlap = False
+                    _zero(dst)
+                    refit.refit()
+                    b["exact"] = _exactness(worker_mod, dst, src_ref)
+                    refit.resharder.overlap = None
+                    res["methods"]["mcore_reshard_batched"] = b
             if "megatron_resharding" in methods:
                 # as shipped: bit-exactness only (SequentialMLP expert names are not remapped)
                 clear_all_caches()
@@ -472,7 +524,7 @@ def aggregate(per_rank: list[list[dict]]) -> list[dict]:
                 times = [max(x["times"][i] for x in ms) for i in range(len(ms[0]["times"]))]
                 e.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times), times=times,
                          warmup_s=max(x["warmup_s"] for x in ms), peak_added_bytes=max(x["peak_added"] for x in ms))
-            if m == "mcore_reshard":
+            if m.startswith("mcore_reshard"):
                 e.update(bytes=ms[0]["network_bytes"], lower_bound=ms[0]["lower_bound_bytes"],
                          messages=sum(x["sent_msgs"] for x in ms), rounds=ms[0]["rounds"],
                          staging_bytes=max(x["staging_bytes"] for x in ms))

@@ -2,8 +2,12 @@
 
 ``Resharder(plan, src, dst, group)`` binds a plan to this rank's real tensors once; each
 ``refit()`` then moves the bytes: local copies directly, remote ones packed into one flat staging
-buffer per message and exchanged with ``batch_isend_irecv`` round by round, unpacked with
-``copy_`` into the existing destination storage (addresses never change).
+buffer per message and exchanged round by round, unpacked with ``copy_`` into the existing
+destination storage (addresses never change).  On NCCL (any backend but gloo) a round is one
+grouped ``batch_isend_irecv`` (pack all, exchange all, unpack all); on gloo it is overlapped:
+receives posted first, each send posted as soon as it is packed, each receive unpacked as soon as
+it has arrived, and one-entry messages with contiguous views sent / received without staging
+copies (:meth:`Resharder.overlapped`).
 
 Construction is collective over ``group``: every rank checks its tensors and its part of the plan
 (:func:`mcore_reshard.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
@@ -32,6 +36,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -51,6 +56,7 @@ _OPT_BYTES = 64
 _CS_BYTES = 16          # per-entry checksum trailer in verify mode: two int64
 _CS_CHUNK = 1 << 20     # bytes per checksum chunk (bounds the temporary memory of verify mode)
 _CS_MOD = 65521
+_DIRECT_MIN = 256 << 10   # overlapped path: entries of at least this many bytes get their own P2P operation
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -79,8 +85,8 @@ class TransferError(ReshardError):
 
 @dataclass
 class _Round:
-    sends: list   # (peer, staging slice, [(staging view, src view)], message)
-    recvs: list   # (peer, staging slice, [(staging view, dst view)], message)
+    sends: list   # (peer, staging slice, [(staging view, src view)], message, parts (Resharder._parts))
+    recvs: list   # (peer, staging slice, [(staging view, dst view)], message, parts (Resharder._parts))
     send_peers: list = field(default_factory=list)
     recv_peers: list = field(default_factory=list)
 
@@ -306,12 +312,15 @@ class Resharder:
     ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
     the same everywhere).  ``staging``: a uint8 tensor to use instead of allocating the staging
     buffer, when at least :func:`staging_size` bytes (shared by Resharders run one after another).
+    ``overlap``: how a round moves its messages (see :meth:`overlapped`); ``None`` (default): overlapped
+    on gloo, one grouped ``batch_isend_irecv`` per round on every other backend (NCCL).
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                  group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
-                 staging: torch.Tensor | None = None):
+                 staging: torch.Tensor | None = None, overlap: bool | None = None):
         self._shared_staging = staging
+        self.overlap = overlap
         self.plan = plan
         self.group = group
         self.rank = dist.get_rank(group)
@@ -352,6 +361,10 @@ class Resharder:
                           f"process group of {self.world} rank(s) ({_group_ranks_hint(self.world)})")
         errors += _check_tensors(plan, r, "src", self.src) + _check_tensors(plan, r, "dst", self.dst)
         errors += _check_aliasing(r, self.src, self.dst)
+        backend = dist.get_backend(self.group)
+        if self.overlap and backend != "gloo":
+            errors.append(f"rank {r}: overlap=True needs the gloo backend; this group uses {backend}, whose "
+                          "point-to-point operations must stay in one batch_isend_irecv per round")
         errors += [f"rank {r}: plan is inconsistent: {p}" for p in validate_plan(plan, r, limit=5)]
         return errors
 
@@ -392,13 +405,13 @@ class Resharder:
                 size = m.nbytes + trailer * len(m.entries)
                 buf = self.staging[base:base + size]
                 pairs = [(self._view(buf, c), self.src[c.src_buffer][c.src_local.slices()]) for c in m.entries]
-                rnd.sends.append((m.dst, buf, pairs, m))
+                rnd.sends.append((m.dst, buf, pairs, m, self._parts(m, buf, pairs)))
                 base += size
             for m in recvs:             # right after this round's sends, in the same buffer
                 size = m.nbytes + trailer * len(m.entries)
                 buf = self.staging[base:base + size]
                 pairs = [(self._view(buf, c), self.dst[c.dst_buffer][c.dst_local.slices()]) for c in m.entries]
-                rnd.recvs.append((m.src, buf, pairs, m))
+                rnd.recvs.append((m.src, buf, pairs, m, self._parts(m, buf, pairs)))
                 base += size
                 for c in m.entries:
                     touch(c.dst_buffer, len(self.rounds))
@@ -416,6 +429,48 @@ class Resharder:
         for t in list(self.dst.values()) + list(self.src.values()):
             return t.device
         return _group_device(self.group)
+
+    def _parts(self, m, buf: torch.Tensor, pairs: list) -> list:
+        """How the overlapped path moves message ``m``: ``[(wire tensor, pairs to pack / unpack)]``,
+        one point-to-point operation each, in entry order.  Both ends derive the SAME split from
+        the plan alone (entry sizes), so their operations match one to one: every entry of at
+        least ``_DIRECT_MIN`` bytes is its own operation, consecutive smaller entries share one.
+        Then each end decides alone, from its own tensors, whether an own-operation entry goes
+        straight from the source / into the destination (its view is contiguous, of the staged
+        dtype: wire tensor = the view's bytes, nothing to pack / unpack) or through its staging
+        view as usual.  Staging stays reserved for every entry (staging accounting unchanged;
+        direct entries just leave theirs untouched).  With ``verify`` (checksum trailer) or
+        entries not laid out in order: the whole message as one staged operation."""
+        whole = [(buf, pairs)]
+        if self.verify or not pairs:
+            return whole
+        at = 0
+        for c in m.entries:
+            if c.offset != at:
+                return whole
+            at += c.nbytes
+        if at != m.nbytes:
+            return whole
+        parts, group = [], []
+
+        def flush():
+            if group:
+                lo = group[0][0].offset
+                hi = group[-1][0].offset + group[-1][0].nbytes
+                parts.append((buf[lo:hi], [p for _, p in group]))
+                group.clear()
+
+        for c, (stage, t) in zip(m.entries, pairs):
+            if c.nbytes < _DIRECT_MIN:
+                group.append((c, (stage, t)))
+                continue
+            flush()
+            if t.is_contiguous() and t.dtype == stage.dtype and t.numel() * t.element_size() == c.nbytes:
+                parts.append((t.reshape(-1).view(torch.uint8), []))
+            else:
+                parts.append((buf[c.offset:c.offset + c.nbytes], [(stage, t)]))
+        flush()
+        return parts
 
     def _view(self, staging: torch.Tensor, c) -> torch.Tensor:
         dtype = torch_dtype(self.plan.tensors[c.tensor]["src_dtype"])
@@ -522,56 +577,156 @@ class Resharder:
                 bad_buffers.add(c.dst_buffer)
         self._stage_end(-1, v)
         sent = nmsg = 0
-        n = len(self.rounds)
+        overlap = self.overlapped()
         for i, rnd in enumerate(self.rounds):
             self._stage_begin(i)
-            for _, buf, pairs, m in rnd.sends:
-                for j, (stage, s) in enumerate(pairs):
-                    stage.copy_(s)
-                    if self.verify:
-                        buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(_checksum(s))
-            ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf, _, _ in rnd.sends]
-            ops += [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf, _, _ in rnd.recvs]
-            labels = [f"sending to rank {peer}" for peer, *_ in rnd.sends] + [f"receiving from rank {peer}" for peer, *_ in rnd.recvs]
-            if ops:
-                t0 = time.monotonic()
-                try:
-                    works = dist.batch_isend_irecv(ops)
-                    if len(works) != len(ops):
-                        labels = ["exchanging with ranks " + ",".join(map(str, sorted(set(rnd.send_peers) | set(rnd.recv_peers))))] * len(works)
-                    deadline = None if self.timeout_s is None else t0 + self.timeout_s
-                    for work, label in zip(works, labels):
-                        try:
-                            _bounded_wait(work, None if deadline is None else deadline - time.monotonic())
-                        except Exception as e:  # noqa: BLE001
-                            raise self._round_error(v, i, rnd, label, e, time.monotonic() - t0) from e
-                except TransferError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - posting failed (peer gone before the round)
-                    raise self._round_error(v, i, rnd, "posting the round", e, time.monotonic() - t0) from e
-            for peer, buf, pairs, m in rnd.recvs:
-                for j, (stage, d) in enumerate(pairs):
-                    c = m.entries[j]
-                    if self.verify:
-                        want = buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64)
-                        if not torch.equal(_checksum(stage), want):
-                            problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} arrived with a "
-                                            f"different checksum than rank {peer} sent (buffer {c.dst_buffer})")
-                            bad_buffers.add(c.dst_buffer)
-                            continue
-                    d.copy_(stage.reshape(d.shape))
-                    if self.verify and d.dtype == stage.dtype and not torch.equal(_checksum(d), _checksum(stage)):
-                        problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} differs from what "
-                                        f"arrived after unpacking into buffer {c.dst_buffer}")
-                        bad_buffers.add(c.dst_buffer)
+            if overlap:
+                self._round_overlapped(v, i, rnd, problems, bad_buffers)
+            else:
+                self._round_batched(v, i, rnd, problems, bad_buffers)
             self._stage_end(i, v)
             nmsg += len(rnd.sends)
-            sent += sum(b.numel() for _, b, _, _ in rnd.sends)
+            sent += sum(b.numel() for _, b, *_ in rnd.sends)
         for name in bad_buffers:
             self._buffer_version[name] = None
         if problems and not self.confirm:
             raise TransferError(f"refit {v} on rank {self.rank} failed verification: " + "; ".join(problems[:8]), version=v)
         return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+
+    # ------------------------------------------------------------------ one round, two ways
+
+    def overlapped(self) -> bool:
+        """Whether rounds run overlapped (see :meth:`_round_overlapped`) on the current group.
+
+        ``overlap=None`` (default) chooses by backend: overlapped on gloo, whose ``isend``/``irecv``
+        are independent asynchronous operations (``batch_isend_irecv`` on gloo only posts them one
+        after another), and batched on every other backend: NCCL point-to-point operations must be
+        launched inside one group (one ``batch_isend_irecv``) per round, or two ranks sending to
+        each other can deadlock.  ``overlap=True`` on a non-gloo backend is refused for the same
+        reason (construction and :meth:`rebind` raise).  The environment variable ``MCORE_RESHARD_OVERLAP`` (``0``/``1``) overrides the
+        default choice (benchmarks); an explicit ``overlap`` argument wins over it."""
+        backend = dist.get_backend(self.group)
+        want = self.overlap
+        if want is None:
+            env = os.environ.get("MCORE_RESHARD_OVERLAP", "").strip()
+            want = backend == "gloo" if env not in ("0", "1") else env == "1"
+        return bool(want) and backend == "gloo"
+
+    def _pack(self, buf: torch.Tensor, pairs: list, m) -> None:
+        for j, (stage, s) in enumerate(pairs):
+            stage.copy_(s)
+            if self.verify:
+                buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(_checksum(s))
+
+    def _unpack(self, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: list[str], bad_buffers: set) -> None:
+        n = len(self.rounds)
+        for j, (stage, d) in enumerate(pairs):
+            c = m.entries[j]
+            if self.verify:
+                want = buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64)
+                if not torch.equal(_checksum(stage), want):
+                    problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} arrived with a "
+                                    f"different checksum than rank {peer} sent (buffer {c.dst_buffer})")
+                    bad_buffers.add(c.dst_buffer)
+                    continue
+            d.copy_(stage.reshape(d.shape))
+            if self.verify and d.dtype == stage.dtype and not torch.equal(_checksum(d), _checksum(stage)):
+                problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} differs from what "
+                                f"arrived after unpacking into buffer {c.dst_buffer}")
+                bad_buffers.add(c.dst_buffer)
+
+    def _round_batched(self, v: int, i: int, rnd: _Round, problems: list[str], bad_buffers: set) -> None:
+        """Pack every send, post all sends and receives in ONE ``batch_isend_irecv`` (NCCL groups
+        them: no deadlock whatever the order), wait for all, then unpack every receive."""
+        for _, buf, pairs, m, _ in rnd.sends:
+            self._pack(buf, pairs, m)
+        ops = [dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer) for peer, buf, *_ in rnd.sends]
+        ops += [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer) for peer, buf, *_ in rnd.recvs]
+        labels = [f"sending to rank {peer}" for peer, *_ in rnd.sends] + [f"receiving from rank {peer}" for peer, *_ in rnd.recvs]
+        if ops:
+            t0 = time.monotonic()
+            try:
+                works = dist.batch_isend_irecv(ops)
+                if len(works) != len(ops):
+                    labels = ["exchanging with ranks " + ",".join(map(str, sorted(set(rnd.send_peers) | set(rnd.recv_peers))))] * len(works)
+                deadline = None if self.timeout_s is None else t0 + self.timeout_s
+                for work, label in zip(works, labels):
+                    try:
+                        _bounded_wait(work, None if deadline is None else deadline - time.monotonic())
+                    except Exception as e:  # noqa: BLE001
+                        raise self._round_error(v, i, rnd, label, e, time.monotonic() - t0) from e
+            except TransferError:
+                raise
+            except Exception as e:  # noqa: BLE001 - posting failed (peer gone before the round)
+                raise self._round_error(v, i, rnd, "posting the round", e, time.monotonic() - t0) from e
+        for peer, buf, pairs, m, _ in rnd.recvs:
+            self._unpack(i, peer, buf, pairs, m, problems, bad_buffers)
+
+    def _round_overlapped(self, v: int, i: int, rnd: _Round, problems: list[str], bad_buffers: set) -> None:
+        """gloo only (:meth:`overlapped`): packing, the wire and unpacking overlap.
+
+        1. One ``batch_isend_irecv`` opens the round: every receive of the round (so peers' bytes
+           can land at once) plus the first send, packed just before.
+        2. Every further send is packed and posted (``isend``) right away, in the plan's order (the
+           same order on both ends of every pair; gloo matches a pair's messages in order), so its
+           bytes travel while the next one is packed.
+        3. Receives are unpacked one by one as soon as each has arrived (first every one already
+           complete, else the next in order is waited for), while the others still travel.
+        4. Then the sends are waited for (their buffers are reused by the next round).
+
+        A message goes as one or more operations (:meth:`_parts`): its large entries one each, sent
+        straight from a contiguous source view and received straight into a contiguous destination
+        view (no pack / unpack copy; never with ``verify``).  Every wait is bounded by the round's deadline (its start + ``timeout``) and
+        fails with the same :class:`TransferError` (round, peers, what it was waiting for) as the
+        batched path."""
+        t0 = time.monotonic()
+        deadline = None if self.timeout_s is None else t0 + self.timeout_s
+
+        def left():
+            return None if deadline is None else deadline - time.monotonic()
+
+        def wait(work, label):
+            try:
+                _bounded_wait(work, left())
+            except Exception as e:  # noqa: BLE001
+                raise self._round_error(v, i, rnd, label, e, time.monotonic() - t0) from e
+
+        # one operation per part, in plan order: (peer, wire tensor, pairs, message)
+        sends = [(peer, w, pp, m) for peer, _, _, m, parts in rnd.sends for w, pp in parts]
+        recvs = [(peer, w, pp, m) for peer, _, _, m, parts in rnd.recvs for w, pp in parts]
+        ops = [dist.P2POp(dist.irecv, w, group=self.group, group_peer=peer) for peer, w, *_ in recvs]
+        if sends:
+            peer, w, pairs, m = sends[0]
+            self._pack(w, pairs, m)
+            ops.append(dist.P2POp(dist.isend, w, group=self.group, group_peer=peer))
+        if not ops:
+            return
+        label = "posting the round"
+        try:
+            works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):
+                raise RuntimeError(f"batch_isend_irecv returned {len(works)} work(s) for {len(ops)} operation(s) "
+                                   "(a coalescing backend: use overlap=False)")
+            recv_works = works[:len(recvs)]
+            send_works = [(works[-1], f"sending to rank {sends[0][0]}")] if sends else []
+            for peer, w, pairs, m in sends[1:]:
+                self._pack(w, pairs, m)
+                label = f"sending to rank {peer}"
+                send_works.append((dist.isend(w, group=self.group, group_dst=peer), label))
+        except TransferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - posting failed (peer gone before or during the round)
+            raise self._round_error(v, i, rnd, label, e, time.monotonic() - t0) from e
+        pending = list(range(len(recvs)))
+        while pending:
+            done = [k for k in pending if recv_works[k].is_completed()] or pending[:1]
+            for k in done:
+                peer, w, pairs, m = recvs[k]
+                wait(recv_works[k], f"receiving from rank {peer}")
+                self._unpack(i, peer, w, pairs, m, problems, bad_buffers)
+            pending = [k for k in pending if k not in done]
+        for work, label in send_works:
+            wait(work, label)
 
     def _round_error(self, v: int, i: int, rnd: _Round, label: str, e: BaseException, waited: float) -> TransferError:
         peers = sorted(set(rnd.send_peers) | set(rnd.recv_peers))

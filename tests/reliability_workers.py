@@ -283,8 +283,11 @@ def interrupt_and_retry(rank: int, world: int, timeout: float) -> dict:
     def corrupt(call, ops, post):
         works = post(ops)
         if rank == 2 and call == 3:
-            recv = [op.tensor for op in ops if op.op is dist.irecv]
-            return [_CorruptingWork(w, recv[0] if i == len(works) - 1 else None) for i, w in enumerate(works)]
+            # flip a byte of the first receive buffer when ITS work is waited for (the overlapped
+            # gloo path unpacks each receive as soon as its own work completes)
+            first = next(k for k, op in enumerate(ops) if op.op is dist.irecv)
+            assert len(works) == len(ops)
+            return [_CorruptingWork(w, ops[first].tensor if k == first else None) for k, w in enumerate(works)]
         return works
 
     with patched_p2p(corrupt):
