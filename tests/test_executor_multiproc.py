@@ -63,3 +63,25 @@ def test_inconsistent_ranks_all_refuse_before_moving():
         assert "plan hashes differ between ranks" in cases[0][1]
         assert "rank 0: dst tensor model.norm.weight is [3] float32, plan says [32] float32" in cases[1][1]
         assert "is [32] bfloat16, plan says [32] float32" in cases[2][1]
+
+
+def test_overlapped_and_batched_paths():
+    """gloo runs rounds overlapped by default (receives first, each send posted once packed, each
+    receive unpacked on arrival, large entries straight from / into contiguous views); the batched
+    path (overlap=False, what NCCL uses) and verify mode land the same bytes."""
+    cases = [("tp=2,pp=2", "tp=4", True, 256 << 20), ("tp=2", "tp=1,dp=2", False, 4096)]
+    results = spawn(workers.overlap_paths, 4, cases, timeout=300)
+    for case in range(len(cases)):
+        for rank, per_rank in enumerate(results):
+            res = per_rank[case]
+            assert res["overlapped"]["overlapped"] and not res["batched"]["overlapped"], res
+            assert res["overlapped_verify"]["overlapped"], res
+            for path in res.values():
+                assert path["mismatched"] == 0 and path["same_storage"] and path["state_version"] == 2, (rank, res)
+            # the same one staging buffer on both paths (direct entries leave their part untouched)
+            assert res["overlapped"]["staging"] == res["batched"]["staging"] <= res["overlapped_verify"]["staging"], res
+            # verify keeps every message one staged operation (its checksum trailer is staged)
+            assert res["overlapped_verify"]["direct"] == 0, res
+        # with _DIRECT_MIN lowered every kind of part occurs somewhere
+        tot = {k: sum(r[case]["overlapped"][k] for r in results) for k in ("direct", "alone", "grouped")}
+        assert tot["direct"] > 0 and tot["alone"] + tot["grouped"] > 0, tot
