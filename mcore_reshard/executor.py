@@ -6,8 +6,8 @@ buffer per message and exchanged round by round, unpacked with ``copy_`` into th
 destination storage (addresses never change).  On NCCL (any backend but gloo) a round is one
 grouped ``batch_isend_irecv`` (pack all, exchange all, unpack all); on gloo it is overlapped:
 receives posted first, each send posted as soon as it is packed, each receive unpacked as soon as
-it has arrived, and one-entry messages with contiguous views sent / received without staging
-copies (:meth:`Resharder.overlapped`).
+it has arrived, and every entry of >= 256 KiB its own operation, sent from a contiguous source view /
+received into a contiguous destination view without staging copies (:meth:`Resharder.overlapped`).
 
 Construction is collective over ``group``: every rank checks its tensors and its part of the plan
 (:func:`mcore_reshard.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
