@@ -190,8 +190,16 @@ def test_replicas_split_the_work_and_memory_budget_splits_groups():
     # 4 block rows (512 elements each) per tensor over 3 replicas: 2 + 1 + 1, the larger share
     # going to the least-loaded replica: 16 block rows end up 6 / 5 / 5
     assert sorted(plan.stats["quantized_elements"].values()) == [5 * 512, 5 * 512, 6 * 512]
-    assert plan.stats["groups"] == 4            # one tensor's temporaries already fill the 1 KiB budget
-    assert max(plan.arena.values()) == 2 * 512 + 2 * 2 * 4     # 2 block rows of e4m3 + their [2, 2] scales
+    # one tensor's temporaries (2 block rows of e4m3 + their [2, 2] scales on one rank: 1040 B) are
+    # over the 1 KiB budget, so every tensor is cut by block rows and written by 2 groups, each
+    # group's stage B writing its own slab of the destination buffer (a view)
+    assert plan.stats["groups"] == 8 and plan.stats["split_tensors"] == 4
+    assert max(plan.arena.values()) == 512 + 16 <= 1024 == plan.stats["memory_bytes"]
+    views = sorted(tuple(v) for g in plan.groups for v in g.views[3].values() if v[0] == "l0.weight")
+    assert views == [("l0.weight", 0, 16), ("l0.weight", 16, 64)]
+    with pytest.raises(ValueError, match=r"FP8 temporaries of l0.weight \(block row 0\) need 528 B on rank 0, over "
+                       r"the FP8 memory budget of 500 B"):
+        make_fp8_plan(src, fp8_target(dst, names, (16, 16)), (16, 16), memory_bytes=500)
     assert plan.stats["fp8_weight_network_bytes"] * 2 == plan.stats["bf16_network_bytes"]
 
 
@@ -266,7 +274,7 @@ def _synthetic_case(memory=None):
 @pytest.mark.multiproc
 def test_live_gloo_refit_bit_identical_to_reference():
     from mcore_reshard.launch import spawn
-    res = spawn(fp8_workers.synthetic_worker, 4, [_synthetic_case(), _synthetic_case(memory=1024)], timeout=300)
+    res = spawn(fp8_workers.synthetic_worker, 4, [_synthetic_case(), _synthetic_case(memory=1200)], timeout=300)
     for k in range(2):
         per = [r[k] for r in res]
         assert all(not r["bad"] for r in per), [r["bad"] for r in per]
@@ -278,7 +286,21 @@ def test_live_gloo_refit_bit_identical_to_reference():
         assert work == [int(per[0]["stats"]["quantized_elements"].get(str(q), 0)) for q in range(4)]
         s = per[0]["stats"]
         assert s["assembly_network_bytes"] > 0 and s["fp8_weight_network_bytes"] < s["bf16_network_bytes"]
-    assert res[0][1]["stats"]["groups"] == 3 and res[0][0]["stats"]["groups"] == 1   # 1 KiB budget: one tensor per group
+        assert all(r["state_ok"] for r in per)            # every target buffer (slabs too) holds refit 2
+    # 1200 B of temporaries per rank: ``a`` and ``e`` are cut (block rows, experts) over 4 groups;
+    # their target buffers are written slab by slab, and no rank's arena exceeds the budget
+    s = res[0][1]["stats"]
+    assert s["groups"] == 4 and s["split_tensors"] == 2 and res[0][0]["stats"]["groups"] == 1
+    assert max(r[1]["arena"] for r in res) <= 1200 < max(r[0]["arena"] for r in res)
+    assert sum(r[1]["views"] for r in res) > 0
+
+
+def test_memory_budget_below_one_unit_is_refused():
+    from mcore_reshard.planner import PlanError
+    case = _synthetic_case(memory=1024)
+    with pytest.raises(PlanError, match=r"FP8 temporaries of a.weight \(block row 2\) need 1,184 B on rank 2, over "
+                       r"the FP8 memory budget of 1,024 B"):
+        make_fp8_plan(Layout.from_json(case["src"]), Layout.from_json(case["dst"]), (8, 8), memory_bytes=1024)
 
 
 def test_cli_plan_fp8(capsys):
