@@ -163,7 +163,7 @@ def test_cut_blocks_are_assembled_and_counted():
     assert s["assembly_local_bytes"] == 12 * 32 * 2               # rank 1's own rows 20:32
     assert s["fp8_weight_network_bytes"] == 40 * 32               # one byte per element
     assert s["fp8_scale_network_bytes"] == 3 * 2 * 4              # [3, 2] fp32
-    assert s["bf16_network_bytes"] == 40 * 32 * 2
+    assert s["bf16_network_bytes"] == 40 * 32 * 2 and s["bf16_local_bytes"] == 0
     assert s["network_bytes"] == 256 + 1280 + 24
     assert s["quantized_blocks"] == {"0": 2, "1": 4}
     regs = sorted((r.kind, r.owner, str(r.box)) for g in plan.groups for r in g.regions)
@@ -220,6 +220,11 @@ def test_dsv3_671b_megatron_tp8_to_vllm_tp8_bytes():
     assert s["fp8_scale_network_bytes"] == 4 * scales == 3_004_928
     assert s["bf16_network_bytes"] == s["rest_network_bytes"] + 2 * weights == 28_338_413_568
     assert s["network_bytes"] == 16_054_336_000      # 0.567 of the BF16 refit
+    # the BF16 comparison is counted, not planned: it matches the planner's own count
+    from mcore_reshard.fp8_layout import bf16_target
+    from mcore_reshard.planner import make_plan
+    bf16 = make_plan(src, bf16_target(dst, {n: "bfloat16" for n in plan.quantized}), allow_cast=True)
+    assert (s["bf16_network_bytes"], s["bf16_local_bytes"]) == (bf16.stats["network_bytes"], bf16.stats["local_bytes"])
 
 
 # ----------------------------------------------------------------------------------- quantizer
@@ -314,3 +319,28 @@ def test_cli_plan_fp8(capsys):
     assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2", "--dst", "vllm:tp=2", "--dtype", "bfloat16",
                  "--fp8", "32"]) == 2
     assert "not a multiple of the 32 block" in capsys.readouterr().err
+
+
+def test_state_of_a_buffer_written_by_several_groups():
+    """A target buffer cut into slabs holds version v only when every slab does: a refit stopped
+    between two groups leaves it incomplete (None), never reported as the old or the new version."""
+    from types import SimpleNamespace
+    from mcore_reshard.fp8_refit import Fp8Resharder
+
+    def res(buffers, interrupted=False):
+        return SimpleNamespace(state=lambda: {"buffers": buffers, "interrupted": interrupted})
+    groups = [SimpleNamespace(views={0: {"w#0:2": ["w", 0, 2], "s#0:1": ["s", 0, 1]}}),
+              SimpleNamespace(views={0: {"w#2:4": ["w", 2, 4], "s#1:2": ["s", 1, 2]}})]
+    r = Fp8Resharder.__new__(Fp8Resharder)
+    r.plan, r.rank, r.version, r._interrupted = SimpleNamespace(groups=groups), 0, 3, None
+    r.rest = res({"norm": 3})
+    r.groups = [(None, [], res({"w#0:2": 3, "s#0:1": 3})), (None, [], res({"w#2:4": 3, "s#1:2": 3}))]
+    st = r.state()
+    assert st["buffers"] == {"norm": 3, "s": 3, "w": 3} and st["incomplete"] == [] and not st["interrupted"]
+    # refit 4 stopped in group 2: group 1's slabs hold 4, group 2's are half-written (None) or still 3
+    r._interrupted = {"version": 4, "error": "TransferError: ..."}
+    r.rest = res({"norm": 4})
+    r.groups = [(None, [], res({"w#0:2": 4, "s#0:1": 4})), (None, [], res({"w#2:4": None, "s#1:2": 3}, True))]
+    st = r.state()
+    assert st["buffers"] == {"norm": 4, "s": None, "w": None} and st["incomplete"] == ["s", "w"]
+    assert st["interrupted"] and st["interrupted_version"] == 4 and st["version"] == 3
