@@ -70,14 +70,21 @@ class Region:
     input_local: Box
     q_buffer: str
     s_buffer: str
+    q_local: Box | None = None      # where the region lies in q_buffer / s_buffer (None: all of it);
+    s_local: Box | None = None      # regions of one owner adjacent along dim 0 share the two buffers
 
     def to_json(self) -> list:
-        return [self.tensor, self.box.to_json(), self.grid.to_json(), self.owner, self.kind, self.input,
-                self.input_local.to_json(), self.q_buffer, self.s_buffer]
+        out = [self.tensor, self.box.to_json(), self.grid.to_json(), self.owner, self.kind, self.input,
+               self.input_local.to_json(), self.q_buffer, self.s_buffer]
+        if self.q_local is not None:
+            out += [self.q_local.to_json(), self.s_local.to_json()]
+        return out
 
     @staticmethod
     def from_json(o) -> "Region":
-        return Region(o[0], Box.from_json(o[1]), Box.from_json(o[2]), o[3], o[4], o[5], Box.from_json(o[6]), o[7], o[8])
+        more = (Box.from_json(o[9]), Box.from_json(o[10])) if len(o) > 9 else (None, None)
+        return Region(o[0], Box.from_json(o[1]), Box.from_json(o[2]), o[3], o[4], o[5], Box.from_json(o[6]), o[7], o[8],
+                      *more)
 
 
 @dataclass
@@ -233,20 +240,19 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
     its largest part, preferring one that needs it.  Remaining ties: least-loaded, then lowest rank.
     """
     index = _source_index(restrict(src, set(tensors)))
-    wants: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    wants: dict[tuple[str, int], list[Box]] = defaultdict(list)       # (tensor, rank) -> boxes it needs
     if dst is not None:
         for r, _, p in dst.iter_pieces():
             if p.tensor in index:
-                wants[p.tensor].append((r, p.box))
+                wants[(p.tensor, r)].append(p.box)
     load: dict[int, int] = defaultdict(int)         # elements quantized per rank so far
     regions: list[Region] = []
 
     def need(name: str, rank: int, box: Box) -> int:
         n = 0
-        for q, b in wants[name]:
-            if q == rank:
-                inter = b.intersect(box)
-                n += inter.numel if inter is not None else 0
+        for b in wants.get((name, rank), ()):
+            inter = b.intersect(box)
+            n += inter.numel if inter is not None else 0
         return n
 
     def pick(name: str, ranks, box: Box) -> int:
@@ -322,16 +328,66 @@ def _components(dst: Layout, quantized: set[str]) -> list[list[str]]:
 
 
 def _temp_buffers(regions: Sequence[Region], src: Layout) -> dict[int, list[tuple[str, Buffer]]]:
-    """rank -> [(role, buffer)] of its temporaries: assembly (source dtype), fp8, scales."""
+    """rank -> [(role, buffer)] of its temporaries: assembly (source dtype), fp8, scales.  Regions
+    sharing a q / s buffer (``q_local``) get one buffer spanning them all (they tile it along dim 0)."""
     out: dict[int, list[tuple[str, Buffer]]] = defaultdict(list)
+    shared: dict[str, list[Region]] = defaultdict(list)
+    for g in regions:
+        if g.q_local is not None:
+            shared[g.q_buffer].append(g)
+    done: set[str] = set()
     for g in regions:
         full = Box.full(g.box.sizes)
         if g.kind == "assembled":
             dt = src.tensors[g.tensor].dtype
             out[g.owner].append(("asm", Buffer(g.input, g.box.sizes, dt, (Piece(g.tensor, g.box, full),))))
-        out[g.owner].append(("q", Buffer(g.q_buffer, g.box.sizes, FP8, (Piece(g.tensor, g.box, full),))))
-        out[g.owner].append(("s", Buffer(g.s_buffer, g.grid.sizes, SCALE_DTYPE,
-                                         (Piece(scale_name(g.tensor), g.grid, Box.full(g.grid.sizes)),))))
+        if g.q_local is None:
+            box, grid = g.box, g.grid
+        elif g.q_buffer in done:
+            continue
+        else:
+            done.add(g.q_buffer)
+            rs = shared[g.q_buffer]
+            lo, glo = min(r.box.offsets[0] for r in rs), min(r.grid.offsets[0] for r in rs)
+            box = Box((lo,) + g.box.offsets[1:], (sum(r.box.sizes[0] for r in rs),) + g.box.sizes[1:])
+            grid = Box((glo,) + g.grid.offsets[1:], (sum(r.grid.sizes[0] for r in rs),) + g.grid.sizes[1:])
+        out[g.owner].append(("q", Buffer(g.q_buffer, box.sizes, FP8, (Piece(g.tensor, box, Box.full(box.sizes)),))))
+        out[g.owner].append(("s", Buffer(g.s_buffer, grid.sizes, SCALE_DTYPE,
+                                         (Piece(scale_name(g.tensor), grid, Box.full(grid.sizes)),))))
+    return out
+
+
+def _share_temps(regions: list[Region]) -> list[Region]:
+    """Regions of one owner and tensor that are adjacent along dim 0 (e.g. one per expert, as
+    Megatron holds experts) write one q and one s buffer together: stage B then moves one box
+    instead of one per expert."""
+    by: dict[tuple, list[int]] = defaultdict(list)
+    for i, reg in enumerate(regions):
+        by[(reg.owner, reg.tensor, reg.box.offsets[1:], reg.box.sizes[1:], reg.grid.offsets[1:],
+            reg.grid.sizes[1:])].append(i)
+    out = list(regions)
+    for idx in by.values():
+        if len(idx) < 2:
+            continue
+        idx.sort(key=lambda i: regions[i].box.offsets[0])
+        runs: list[list[int]] = []
+        for i in idx:
+            prev = regions[runs[-1][-1]] if runs else None
+            if prev is not None and prev.box.ends[0] == regions[i].box.offsets[0] and prev.grid.ends[0] == regions[i].grid.offsets[0]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            if len(run) < 2:
+                continue
+            head = regions[run[0]]
+            a, ga = head.box.offsets[0], head.grid.offsets[0]
+            for i in run:
+                r = regions[i]
+                out[i] = Region(r.tensor, r.box, r.grid, r.owner, r.kind, r.input, r.input_local,
+                                head.q_buffer + "+", head.s_buffer + "+",
+                                Box((r.box.offsets[0] - a,) + (0,) * (r.box.ndim - 1), r.box.sizes),
+                                Box((r.grid.offsets[0] - ga,) + (0,) * (r.grid.ndim - 1), r.grid.sizes))
     return out
 
 
@@ -609,6 +665,7 @@ def _make_groups(src: Layout, dst: Layout, block: tuple[int, int], quantized: se
     groups: list[Fp8Group] = []
     for gi in range(ngroups):
         gnames = g_tensors[gi]
+        g_regions[gi] = _share_temps(g_regions[gi])
         temps = _temp_buffers(g_regions[gi], src)
         asm, qsrc = Layout(), Layout()
         for n in gnames:

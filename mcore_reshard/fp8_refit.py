@@ -134,7 +134,10 @@ class Fp8Resharder:
                     x = src[reg.input][reg.input_local.slices()].detach().reshape(reg.box.sizes)
                 else:
                     x = temp[reg.input]
-                jobs.append((x, temp[reg.q_buffer], temp[reg.s_buffer], reg.box.numel))
+                q, sc = temp[reg.q_buffer], temp[reg.s_buffer]
+                if reg.q_local is not None:         # a dim-0 part of a buffer shared with its neighbours
+                    q, sc = q[reg.q_local.slices()], sc[reg.s_local.slices()]
+                jobs.append((x, q, sc, reg.box.numel))
             # a target buffer several groups write: each group's stage B writes its own dim-0 slab,
             # a contiguous view of the buffer
             gdst = dict(dst)
