@@ -18,9 +18,11 @@ quantizes which 128x128 block -- each block exactly once -- and how the results 
   target's weight and ``weight_scale_inv`` shards;
 * unquantized tensors (norms, router, embedding, head) follow one ordinary BF16 plan (``rest``).
 
-Tensors are chunked into groups (tensors sharing a destination buffer stay together) so that each
-rank's temporaries fit ``memory_bytes``; every group is planned on its own, and one arena per rank
-(the largest group) holds the temporaries of every group in turn.
+Work is chunked into groups so that each rank's temporaries fit ``memory_bytes``: tensors sharing a
+destination buffer stay together when they fit, otherwise they are cut by experts (leading dim) or
+block rows, and a destination buffer is then written slab by slab (dim-0 views) by several groups.
+Every group is planned on its own, and one arena per rank (the largest group, <= ``memory_bytes``)
+holds the temporaries of every group in turn.  A unit that cannot fit raises :class:`PlanError`.
 
 Example, ``[40, 32]`` bf16, block 16, source tp=2 over rows on ranks 0-1 (rows 0:20 | 20:40),
 destination whole on rank 2::
@@ -231,7 +233,8 @@ def _split_among(grid: Box, n: int) -> list[Box]:
     return out
 
 
-def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], dst: Layout | None = None) -> list[Region]:
+def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], dst: Layout | None = None,
+                 index: Mapping | None = None) -> list[Region]:
     """Every block of every tensor in ``tensors`` owned exactly once (see the module doc).
 
     With ``dst``, owners are chosen where the quantized bytes are needed: the aligned interior of
@@ -239,7 +242,9 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
     one needing most of it), or among all its holders when none is; a cut block goes to a holder of
     its largest part, preferring one that needs it.  Remaining ties: least-loaded, then lowest rank.
     """
-    index = _source_index(restrict(src, set(tensors)))
+    if index is None:
+        index = _source_index(restrict(src, set(tensors)))
+    index = {n: index[n] for n in tensors if n in index}
     wants: dict[tuple[str, int], list[Box]] = defaultdict(list)       # (tensor, rank) -> boxes it needs
     if dst is not None:
         for r, _, p in dst.iter_pieces():
@@ -273,11 +278,11 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
             if inner is not None:
                 rest = subtract(touched, inner)
                 ibox = _elements(inner, shape, block)
-                free = {q for q in first if need(name, q, ibox)} or set(first)
+                free = ({q for q in first if need(name, q, ibox)} or set(first)) if len(first) > 1 else set(first)
                 parts = sorted(_split_among(inner, len(free)), key=lambda b: (-b.numel, b))
                 for part in parts:           # largest part first, one part per replica
                     ebox = _elements(part, shape, block)
-                    r = pick(name, free, ebox)
+                    r = pick(name, free, ebox) if len(free) > 1 else next(iter(free))
                     free.discard(r)
                     hr, hb, hp = first[r]
                     regions.append(Region(name, ebox, part, r, "shard", hb, hp.local_of(ebox),
@@ -295,7 +300,7 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
                 parts[owners_of[j]] = inter.numel if inter is not None else 0
             top = max(parts.values())
             holders = sorted({h[0] for i, n in parts.items() if n == top for h in items[i][1]})
-            r = pick(name, holders, ebox)
+            r = pick(name, holders, ebox) if len(holders) > 1 else holders[0]
             load[r] += ebox.numel
             regions.append(Region(name, ebox, atom, r, "assembled", f"fp8/asm/{name}/{k}", Box.full(ebox.sizes),
                                   f"fp8/q/{name}/{k}", f"fp8/s/{name}/{k}"))
@@ -708,10 +713,13 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     """Plan a refit from a BF16 source layout into an FP8 target layout (see the module doc).
 
     ``budget_bytes``: the staging budget of every sub-plan; ``memory_bytes`` (default: the staging
-    budget): per-rank bytes of temporaries (assembled blocks, FP8 results, scales) of one group; a
-    group of tensors sharing a buffer that is larger forms a group of its own.  ``allow_cast`` and
+    budget): hard per-rank bound on the temporaries (assembled blocks, FP8 results, scales) of any
+    group, i.e. on the arena; tensors are cut by experts / block rows to fit it, and
+    :class:`PlanError` names tensor, rank, bytes and budget when one expert or block row cannot
+    (``stats["arena_bytes"]``: the arena per rank).  ``allow_cast`` and
     ``ignore_unused`` are :func:`make_plan`'s, for the unquantized tensors and the source's unused
-    tensors.  ``compare_bf16`` also plans the plain BF16 refit of the same layouts for the stats.
+    tensors.  ``compare_bf16`` also counts the plain BF16 refit of the same layouts for the stats
+    (:func:`bf16_bytes`: its network and local bytes, without planning it).
     """
     b = check_block(block)
     memory = budget_bytes if memory_bytes is None else int(memory_bytes)
@@ -736,7 +744,8 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     rest = make_plan(restrict(src, rest_names), restrict(dst, rest_names, whole=True, keep_empty=True),
                      budget_bytes=budget_bytes, allow_cast=allow_cast)
     names = sorted(quantized)
-    regions = plan_regions(src, names, b, dst)
+    index = _source_index(src)
+    regions = plan_regions(src, names, b, dst, index)
     by_tensor: dict[str, list[Region]] = defaultdict(list)
     for g in regions:
         by_tensor[g.tensor].append(g)
@@ -756,31 +765,34 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     plan.stats["split_tensors"] = len(_split_names(groups))
     if compare_bf16:
         dtypes = {n: src.tensors[n].dtype for n in quantized}
-        net, loc = bf16_bytes(src, bf16_target(dst, dtypes))
+        net, loc = bf16_bytes(src, bf16_target(dst, dtypes), index)
         plan.stats["bf16_network_bytes"] = net
         plan.stats["bf16_local_bytes"] = loc
     return plan
 
 
-def bf16_bytes(src: Layout, dst: Layout) -> tuple[int, int]:
+def bf16_bytes(src: Layout, dst: Layout, index: Mapping | None = None) -> tuple[int, int]:
     """(network, local) bytes of ``make_plan(src, dst)`` without planning it: every element a
     destination rank needs travels once, over the network unless that rank holds it (the
     planner's guarantee: its network bytes are this lower bound).  Counted in source bytes."""
-    index = _source_index(src)
+    index = _source_index(src) if index is None else index
     windows = {}
+    shapes: dict[tuple, int] = {}          # tensors with the same source boxes (one per layer) share one id
     for name, items in index.items():
         items = sorted(items, key=lambda it: it[0].offsets[0] if it[0].ndim else 0)
+        ranks = [frozenset(h[0] for h in hs) for _, hs in items]
+        sid = shapes.setdefault(tuple((b.offsets, b.sizes, rs) for (b, _), rs in zip(items, ranks)), len(shapes))
         first = [b.offsets[0] if b.ndim else 0 for b, _ in items]
         longest = max((b.sizes[0] if b.ndim else 1) for b, _ in items)
-        windows[name] = (items, first, longest, [frozenset(h[0] for h in hs) for _, hs in items])
+        windows[name] = (items, first, longest, ranks, sid)
     cache: dict[tuple, list[tuple[int, frozenset]]] = {}
     net = loc = 0
     for r, _, p in dst.iter_pieces():
         w = windows.get(p.tensor)
         if w is None:
             continue
-        items, first, longest, ranks = w
-        key = (p.tensor, p.box.offsets, p.box.sizes)
+        items, first, longest, ranks, sid = w
+        key = (sid, p.box.offsets, p.box.sizes)
         parts = cache.get(key)
         if parts is None:
             b = p.box

@@ -66,8 +66,8 @@ def quantize_into(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: t
 @dataclass(frozen=True)
 class Fp8:
     """``MegatronRefit(..., target=(fp8_layout, tensors), quantize=Fp8(block=(128, 128)))``:
-    quantize in transit.  ``memory_bytes``: per-rank temporaries of one group (default: the
-    staging budget)."""
+    quantize in transit.  ``memory_bytes``: per-rank bound on the FP8 temporaries (the arena;
+    default: the staging budget)."""
     block: tuple[int, int] = DEFAULT_BLOCK
     memory_bytes: int | None = None
 
