@@ -252,6 +252,7 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
                 wants[(p.tensor, r)].append(p.box)
     load: dict[int, int] = defaultdict(int)         # elements quantized per rank so far
     regions: list[Region] = []
+    geometry: dict[tuple, tuple] = {}
 
     def need(name: str, rank: int, box: Box) -> int:
         n = 0
@@ -273,15 +274,18 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
             first: dict[int, tuple] = {}
             for h in holders:
                 first.setdefault(h[0], h)
-            touched, inner = _grid_of(sbox, shape, block)
-            rest = [touched]
+            gkey = (shape, sbox.offsets, sbox.sizes)    # the same for every layer: computed once
+            geo = geometry.get(gkey)
+            if geo is None:
+                touched, inner = _grid_of(sbox, shape, block)
+                geo = geometry[gkey] = (inner, [touched] if inner is None else subtract(touched, inner),
+                                        None if inner is None else _elements(inner, shape, block))
+            inner, rest, ibox = geo
             if inner is not None:
-                rest = subtract(touched, inner)
-                ibox = _elements(inner, shape, block)
                 free = ({q for q in first if need(name, q, ibox)} or set(first)) if len(first) > 1 else set(first)
-                parts = sorted(_split_among(inner, len(free)), key=lambda b: (-b.numel, b))
+                parts = [inner] if len(free) == 1 else sorted(_split_among(inner, len(free)), key=lambda b: (-b.numel, b))
                 for part in parts:           # largest part first, one part per replica
-                    ebox = _elements(part, shape, block)
+                    ebox = ibox if part is inner else _elements(part, shape, block)
                     r = pick(name, free, ebox) if len(free) > 1 else next(iter(free))
                     free.discard(r)
                     hr, hb, hp = first[r]
@@ -378,7 +382,9 @@ def _share_temps(regions: list[Region]) -> list[Region]:
         runs: list[list[int]] = []
         for i in idx:
             prev = regions[runs[-1][-1]] if runs else None
-            if prev is not None and prev.box.ends[0] == regions[i].box.offsets[0] and prev.grid.ends[0] == regions[i].grid.offsets[0]:
+            cur = regions[i]
+            if (prev is not None and prev.box.offsets[0] + prev.box.sizes[0] == cur.box.offsets[0]
+                    and prev.grid.offsets[0] + prev.grid.sizes[0] == cur.grid.offsets[0]):
                 runs[-1].append(i)
             else:
                 runs.append([i])
@@ -434,7 +440,8 @@ def _region_bytes(reg: Region, numel: int, grid_numel: int, asm_isz: int) -> int
 
 def _chunk_rows(reg: Region, g: int) -> list[tuple[int, int, int, int]]:
     """(chunk, dim-0 start, dim-0 end) of every chunk a region crosses."""
-    lo, hi = reg.box.offsets[0], reg.box.ends[0]
+    lo = reg.box.offsets[0]
+    hi = lo + reg.box.sizes[0]
     return [(c, max(lo, c * g), min(hi, (c + 1) * g)) for c in range(lo // g, -(-hi // g))]
 
 
