@@ -674,6 +674,22 @@ def _make_groups(src: Layout, dst: Layout, block: tuple[int, int], quantized: se
                     g_dst[gi][r][name] = sub if sub.name == name else Buffer(name, sub.shape, sub.dtype, sub.pieces)
                     g_views[gi][r][name] = [bname, a, e]
 
+    holders: dict[str, list[tuple[int, str, Buffer]]] = defaultdict(list)   # tensor -> source buffers
+    for r in src.ranks:
+        for bname, buf in src.buffers[r].items():
+            for t in {p.tensor for p in buf.pieces}:
+                holders[t].append((r, bname, buf))
+
+    def src_of(names: set[str]) -> Layout:
+        """``restrict(src, names)`` without scanning every source buffer (one call per group)."""
+        out = Layout({n: m for n, m in src.tensors.items() if n in names}, {})
+        for n in sorted(names):
+            for r, bname, buf in holders.get(n, ()):
+                mine = tuple(p for p in buf.pieces if p.tensor in names)
+                out.buffers.setdefault(r, {})[bname] = buf if len(mine) == len(buf.pieces) else Buffer(
+                    buf.name, buf.shape, buf.dtype, mine)
+        return out
+
     groups: list[Fp8Group] = []
     for gi in range(ngroups):
         gnames = g_tensors[gi]
@@ -696,10 +712,10 @@ def _make_groups(src: Layout, dst: Layout, block: tuple[int, int], quantized: se
                 else:
                     qsrc.add_buffer(r, buf)
         gset = set(gnames) | {scale_name(n) for n in gnames}
-        gdst = Layout({n: m for n, m in dst.tensors.items() if n in gset}, {r: dict(b) for r, b in sorted(g_dst[gi].items())})
+        gdst = Layout({n: dst.tensors[n] for n in sorted(gset)}, {r: dict(b) for r, b in sorted(g_dst[gi].items())})
         assembly = None
         if asm.tensors:
-            assembly = make_plan(restrict(src, set(asm.tensors)), asm, budget_bytes=budget_bytes)
+            assembly = make_plan(src_of(set(asm.tensors)), asm, budget_bytes=budget_bytes)
         stage_b = make_plan(qsrc, gdst, budget_bytes=budget_bytes)
         groups.append(Fp8Group(gnames, g_regions[gi], assembly, stage_b, temp,
                                {r: dict(sorted(v.items())) for r, v in sorted(g_views[gi].items())}))
