@@ -16,13 +16,16 @@ Quantization of one block ``x`` (the DeepSeek-V3 checkpoint recipe)::
     w = (x.float() / scale_inv).clamp(-448, 448).to(float8_e4m3fn)   (round to nearest even)
 
 Temporaries (assembled blocks, FP8 results, scales) live in one uint8 arena per rank, sized for
-the largest group and reused by every group; all sub-Resharders share one staging buffer.
+the largest group (<= the plan's memory budget) and reused by every group; all sub-Resharders
+share one staging buffer.  A target buffer too large for one group (vLLM ``w13_weight``: every
+local expert of a layer) is written by several groups, each through a contiguous dim-0 view.
 gloo has no float8 dtype: the staging buffer is uint8 and FP8 entries are byte views of them.
 """
 from __future__ import annotations
 
 import itertools
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -63,8 +66,8 @@ def quantize_into(x: torch.Tensor, block: tuple[int, int], q: torch.Tensor, s: t
 @dataclass(frozen=True)
 class Fp8:
     """``MegatronRefit(..., target=(fp8_layout, tensors), quantize=Fp8(block=(128, 128)))``:
-    quantize in transit.  ``memory_bytes``: per-rank temporaries of one group (default: the
-    staging budget)."""
+    quantize in transit.  ``memory_bytes``: per-rank bound on the FP8 temporaries (the arena;
+    default: the staging budget)."""
     block: tuple[int, int] = DEFAULT_BLOCK
     memory_bytes: int | None = None
 
@@ -88,10 +91,12 @@ class Fp8Resharder:
         self.rank = rank = dist.get_rank(group)
         self.version = 0
         self.last_stats: dict = {}
+        self._interrupted: dict | None = None
         errors = []
         want_dst = set(plan.rest.buffers["dst"].get(rank, {}))
         for g in plan.groups:
-            want_dst |= set(g.stage_b.buffers["dst"].get(rank, {}))
+            views = g.views.get(rank, {})
+            want_dst |= {views[n][0] if n in views else n for n in g.stage_b.buffers["dst"].get(rank, {})}
         extra = sorted(set(dst) - want_dst)
         if extra:
             errors.append(f"rank {rank}: {len(extra)} dst tensor(s) the FP8 plan never writes: {', '.join(extra[:8])}")
@@ -129,8 +134,17 @@ class Fp8Resharder:
                     x = src[reg.input][reg.input_local.slices()].detach().reshape(reg.box.sizes)
                 else:
                     x = temp[reg.input]
-                jobs.append((x, temp[reg.q_buffer], temp[reg.s_buffer], reg.box.numel))
-            b = Resharder(g.stage_b, _pick(temp, g.stage_b, "src", rank), _pick(dst, g.stage_b, "dst", rank), group, **kw)
+                q, sc = temp[reg.q_buffer], temp[reg.s_buffer]
+                if reg.q_local is not None:         # a dim-0 part of a buffer shared with its neighbours
+                    q, sc = q[reg.q_local.slices()], sc[reg.s_local.slices()]
+                jobs.append((x, q, sc, reg.box.numel))
+            # a target buffer several groups write: each group's stage B writes its own dim-0 slab,
+            # a contiguous view of the buffer
+            gdst = dict(dst)
+            for name, (bname, a, e) in g.views.get(rank, {}).items():
+                if bname in dst:
+                    gdst[name] = dst[bname][a:e]
+            b = Resharder(g.stage_b, _pick(temp, g.stage_b, "src", rank), _pick(gdst, g.stage_b, "dst", rank), group, **kw)
             self.groups.append((asm, jobs, b))
 
     def refit(self, version: int | None = None) -> dict:
@@ -142,16 +156,21 @@ class Fp8Resharder:
         def add(st):
             out["messages_sent"] += st.get("messages_sent", 0)
             out["staged_bytes_sent"] += st.get("staged_bytes_sent", 0)
-        add(self.rest.refit(v))
-        for asm, jobs, b in self.groups:
-            if asm is not None:
-                add(asm.refit(v))
-            t0 = time.perf_counter()
-            for x, q, s, n in jobs:
-                quantize_into(x, self.plan.block, q, s)
-                out["quantized_elements"] += n
-            out["quantize_s"] += time.perf_counter() - t0
-            add(b.refit(v))
+        try:
+            add(self.rest.refit(v))
+            for i, (asm, jobs, b) in enumerate(self.groups):
+                if asm is not None:
+                    add(asm.refit(v))
+                t0 = time.perf_counter()
+                for x, q, s, n in jobs:
+                    quantize_into(x, self.plan.block, q, s)
+                    out["quantized_elements"] += n
+                out["quantize_s"] += time.perf_counter() - t0
+                add(b.refit(v))
+        except BaseException as e:  # noqa: BLE001 - recorded, then re-raised: state() says what is half-applied
+            self._interrupted = {"version": v, "error": f"{type(e).__name__}: {e}"}
+            raise
+        self._interrupted = None
         self.version = v
         self.last_stats = out
         return out
@@ -160,14 +179,24 @@ class Fp8Resharder:
         return [self.rest] + [r for a, _, b in self.groups for r in (a, b) if r is not None]
 
     def state(self) -> dict:
-        """Refit version every destination buffer holds (see :meth:`Resharder.state`)."""
-        buffers, incomplete = {}, []
+        """Refit version every destination buffer fully holds (see :meth:`Resharder.state`).  A
+        buffer written by several groups (dim-0 slabs) holds version ``v`` only when every slab
+        does; slabs of different versions (a refit interrupted between two groups) make it
+        ``None`` and it is listed in ``incomplete``."""
+        per: dict[str, set] = defaultdict(set)
+        views = {}
+        for g in self.plan.groups:
+            for name, (bname, _, _) in g.views.get(self.rank, {}).items():
+                views[name] = bname
         for r in [self.rest] + [b for _, _, b in self.groups]:
-            st = r.state()
-            buffers.update(st["buffers"])
-            incomplete += st["incomplete"]
-        return {"version": self.version, "buffers": buffers, "incomplete": sorted(incomplete),
-                "interrupted": any(r.state()["interrupted"] for r in self.resharders())}
+            for name, v in r.state()["buffers"].items():
+                per[views.get(name, name)].add(v)
+        buffers = {n: (next(iter(vs)) if len(vs) == 1 else None) for n, vs in sorted(per.items())}
+        info = self._interrupted or {}
+        return {"version": self.version, "buffers": buffers,
+                "incomplete": sorted(n for n, v in buffers.items() if v is None),
+                "interrupted": self._interrupted is not None or any(r.state()["interrupted"] for r in self.resharders()),
+                "interrupted_version": info.get("version"), "error": info.get("error")}
 
     def rebind(self, group=None) -> None:
         for r in self.resharders():

@@ -115,7 +115,11 @@ def _synthetic(rank: int, case: dict) -> dict:
     out = r.refit()
     out2 = r.refit()              # a second refit reuses the arena and rewrites the same bytes
     bad, checked = check_buffers(dst, rank, dst_t, lambda n: synthetic_full(n, src.tensors[n].shape), block)
+    st = r.state()
     return {"bad": bad, "checked": checked, "quantized_elements": out["quantized_elements"],
+            "state_ok": st["version"] == 2 and not st["incomplete"] and not st["interrupted"]
+            and set(st["buffers"]) == set(dst_t) and set(st["buffers"].values()) <= {2},
+            "arena": plan.arena.get(rank, 0), "views": sum(len(g.views.get(rank, {})) for g in plan.groups),
             "second": out2["quantized_elements"], "stats": plan.stats, "hash": plan.hash,
             "src_untouched": all(before[n] == _bytes(t) for n, t in src_t.items())}
 

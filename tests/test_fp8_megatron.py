@@ -24,14 +24,17 @@ CASES = [
     ("TP2 PP2 -> vLLM tp=2, block 16", {"src": {"tp": 2, "pp": 2}, "block": [16, 16],
                                         "target": ("vllm", {"tp": 2})}),
     # TP2 EP2 (dense part DP2: replicas) cuts q_a, q_b, kv_a, expert and shared-expert shards
-    # across 32-blocks; vLLM DP2 x EP on ranks 2-3; a small memory budget forces several groups
-    ("TP2 EP2 -> vLLM dp=2 EP, block 32", {"src": {"tp": 2, "ep": 2}, "block": [32, 32], "memory": 64 << 10,
+    # across 32-blocks; vLLM DP2 x EP on ranks 2-3; a small memory budget (16 KiB of temporaries
+    # per rank) forces many groups and cuts tensors by experts / block rows: target buffers such as
+    # w13_weight are written slab by slab by several groups
+    ("TP2 EP2 -> vLLM dp=2 EP, block 32", {"src": {"tp": 2, "ep": 2}, "block": [32, 32], "memory": 16 << 10,
                                            "target": ("vllm", {"tp": 1, "dp": 2, "enable_expert_parallel": True,
                                                                "rank_offset": 2})}),
     # disaggregated: ranks 0-1 train (TP2), ranks 2-3 serve SGLang with DP attention and the
-    # shared expert fused as expert slot 8
+    # shared expert fused as expert slot 8; 8 KiB of temporaries per rank: w13_weight (routed
+    # experts + the shared expert's slot) is written slab by slab by several groups
     ("TP2 (0-1) -> SGLang dp-attention fused shared (2-3), block 16",
-     {"src": {"tp": 2}, "block": [16, 16], "disaggregated": True,
+     {"src": {"tp": 2}, "block": [16, 16], "disaggregated": True, "memory": 8 << 10,
       "target": ("sglang", {"tp": 2, "dp": 2, "enable_dp_attention": True, "fuse_shared_expert": True,
                             "rank_offset": 2})}),
 ]
@@ -66,6 +69,8 @@ def test_cut_blocks_and_replicas(results):
     assert a["assembly_network_bytes"] == 4 * 4 * 64 * 2
     assert c["assembly_network_bytes"] == 4 * 4 * 64 * 2
     assert b["assembly_network_bytes"] > a["assembly_network_bytes"]  # block 32 cuts many more shards
-    assert b["groups"] > 1
+    assert b["groups"] > 10 and b["split_tensors"] > 0
+    assert max(b["arena_bytes"].values()) <= b["memory_bytes"] == 16 << 10      # temporaries within the budget
+    assert c["groups"] > 10 and c["split_tensors"] > 0 and max(c["arena_bytes"].values()) <= c["memory_bytes"] == 8 << 10
     work = [results[r][1]["quantized_elements"] for r in range(4)]
     assert min(work) > 0                                               # DP replicas share the work
