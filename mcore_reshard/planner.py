@@ -357,8 +357,10 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         return got
 
     local: list[Copy] = []
-    # remote regions: (offsets, sizes, tensor, holders, dst rank, dst buffer, dst piece, itemsize,
-    # bytes, Box, dst local offsets, dst local sizes, dst local Box)
+    # remote regions: (-bytes, tensor, offsets, sizes, dst rank, dst buffer, sequence number,
+    # holders, dst piece, itemsize, Box, dst local offsets, dst local sizes, dst local Box): the
+    # fields up to the (unique) sequence number are the sender greedy's order, so a plain sort
+    # gives it without key tuples
     remote: list[tuple] = []
     lower_bound = 0
     for r, bufs in sorted(dst.buffers.items()):
@@ -375,19 +377,21 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
                         slo, sls = to_local(hp, lo, sizes)
                         local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
                     else:
-                        remote.append((lo, sizes, tname, holders, r, bname, dp, isz, numel * isz, rbox, dlo, dls, dlbox))
+                        remote.append((-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz, rbox,
+                                       dlo, dls, dlbox))
                         lower_bound += numel * isz
                 if covered != dp.box.numel:
                     _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
 
     # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
     load: dict[int, int] = defaultdict(int)
-    order = [k[-1] for k in sorted([(-x[8], x[2], x[0], x[1], x[4], x[5], i) for i, x in enumerate(remote)])]
-    chosen: dict[int, tuple[int, str, Piece]] = {}
+    remote.sort()
+    chosen: list[tuple[int, str, Piece]] = []      # the sender of remote[p]
+    choose = chosen.append
     heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
     first_holder: dict[int, dict] = {}
-    for i in order:
-        holders = remote[i][3]
+    for x in remote:
+        holders = x[7]
         key = id(holders)
         heap = heaps.get(key)
         if heap is None:
@@ -398,47 +402,54 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             heapify(heap)
         if len(heap) == 1:              # one holder rank: nothing to choose
             best = heap[0][1]
-            chosen[i] = first_holder[key][best]
-            load[best] += remote[i][8]
+            choose(first_holder[key][best])
+            load[best] -= x[0]
             continue
         top = heap[0]
         while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
             heapreplace(heap, (load[top[1]], top[1]))
             top = heap[0]
         best = top[1]
-        chosen[i] = first_holder[key][best]
-        load[best] += remote[i][8]
+        choose(first_holder[key][best])
+        load[best] -= x[0]
         heapreplace(heap, (load[best], best))
     _rebalance(remote, chosen, load)
 
-    # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, src buffer, src local Box, dst
-    # buffer, dst local offsets, dst local sizes, sequence number, Box, dst local Box); Copy
-    # objects are made once, at packing, with their staging offset
-    # (in greedy order: the sequence number only orders copies that tie on everything else)
+    # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, sequence number, src buffer, src
+    # local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box); Copy objects
+    # are made once, at packing, with their staging offset (in greedy order: the sequence number
+    # only orders copies that tie on everything before it, so a plain sort is the packing order)
     copies: list[tuple] = []
     src_boxes: dict[tuple, Box] = {}
-    for i, (sr, sbuf, spiece) in chosen.items():
-        offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes, rbox, dlo, dls, dlbox = remote[i]
-        max_elems = max(1, (budget_bytes - ALIGN) // isz)
-        if nbytes // isz <= max_elems:
-            delta = local_maps.get(id(spiece), _UNSET)
-            if delta is not None and delta is not _UNSET:     # source local box = box shifted by delta
-                skey = (id(rbox), delta)
-                slbox = src_boxes.get(skey)
-                if slbox is None:
-                    slbox = src_boxes[skey] = unchecked_box(tuple(map(add, offs, delta)), sizes)
-            else:
-                slbox = unchecked_box(*to_local(spiece, offs, sizes))
-            copies.append((-nbytes, sr, dr, tname, offs, sizes, sbuf, slbox, dbuf, dlo, dls, len(copies), rbox, dlbox))
+    piece_keys: dict[int, tuple] = {}   # id(source piece) -> what its local box of a sub-box depends on
+    max_bytes: dict[int, int] = {}      # itemsize -> largest copy that fits the budget unsplit
+    append = copies.append
+    for x, (sr, sbuf, spiece) in zip(remote, chosen):
+        neg, tname, offs, sizes, dr, dbuf, _, _, dpiece, isz, rbox, dlo, dls, dlbox = x
+        nbytes = -neg
+        limit = max_bytes.get(isz)
+        if limit is None:
+            limit = max_bytes[isz] = max(1, (budget_bytes - ALIGN) // isz) * isz
+        if nbytes <= limit:
+            pk = piece_keys.get(id(spiece))
+            if pk is None:
+                pb, pl = spiece.box, spiece.local
+                pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
+                                               else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+            skey = (id(rbox), pk)       # rbox is shared (and alive) per geometry: same id, same box
+            slbox = src_boxes.get(skey)
+            if slbox is None:
+                slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
+            append((neg, sr, dr, tname, offs, sizes, len(copies), sbuf, slbox, dbuf, dlo, dls, rbox, dlbox))
             continue
-        for b in split_box(rbox, max_elems):
+        for b in split_box(rbox, limit // isz):
             so, ss = b.offsets, b.sizes
             slo, sls = to_local(spiece, so, ss)
             dlo, dls = to_local(dpiece, so, ss)
-            copies.append((-prod(ss) * isz, sr, dr, tname, so, ss, sbuf, unchecked_box(slo, sls), dbuf, dlo, dls,
-                           len(copies), b, unchecked_box(dlo, dls)))
+            append((-prod(ss) * isz, sr, dr, tname, so, ss, len(copies), sbuf, unchecked_box(slo, sls), dbuf, dlo, dls,
+                    b, unchecked_box(dlo, dls)))
 
-    messages, rounds = _pack_rounds(copies, budget_bytes)
+    messages, rounds, totals = _pack_rounds(copies, budget_bytes)
     padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items())
                if sum(prod(p.local.sizes) for p in buf.pieces) != prod(buf.shape) for box in buf.padding()]
     metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
@@ -455,15 +466,21 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     }
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
     plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
-    plan.stats = plan_stats(plan, lower_bound)
+    plan.stats = _stats(plan, lower_bound, totals)
     plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
     return plan
 
 
 def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
-    """Move regions off the most loaded sender while that lowers the maximum (deterministic)."""
+    """Move regions off the most loaded sender while that lowers the maximum (deterministic).
+
+    ``remote[p]`` (in greedy order) is sent by ``chosen[p]``; ties between regions go by their
+    sequence number ``remote[p][6]``."""
     by_sender: dict[int, set[int]] = defaultdict(set)
-    for i, h in chosen.items():
+    pos = [0] * len(remote)
+    for p, h in enumerate(chosen):
+        i = remote[p][6]
+        pos[i] = p
         by_sender[h[0]].add(i)
     for _ in range(max_moves):
         if not load:
@@ -471,7 +488,7 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         top = max(load, key=lambda q: (load[q], -q))
         best_move = None
         for i in sorted(by_sender[top]):
-            holders, n = remote[i][3], remote[i][8]
+            holders, n = remote[pos[i]][7], -remote[pos[i]][0]
             for q in sorted({x[0] for x in holders}):
                 if q != top and load[q] + n < load[top]:
                     key = (load[q] + n, q, i)
@@ -480,14 +497,14 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         if best_move is None:
             return
         _, i, q, n = best_move
-        chosen[i] = next(h for h in remote[i][3] if h[0] == q)
+        chosen[pos[i]] = next(h for h in remote[pos[i]][7] if h[0] == q)
         by_sender[top].discard(i)
         by_sender[q].add(i)
         load[top] -= n
         load[q] += n
 
 
-def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
+def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -495,9 +512,10 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
     before), and a remote copy's two ranks differ, so a fresh round always has room for it.
 
-    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes, src
-    buffer, src local Box, dst buffer, dst local offsets, dst local sizes, sequence number (ties
-    keep the order given, as a stable sort would), Box, dst local Box)."""
+    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes,
+    sequence number (unique: ties keep the order given, as a stable sort would), src buffer, src
+    local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box).  Also returns
+    the per-rank totals of :func:`plan_stats` (bytes sent, received, staged per round)."""
     # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
     # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
     # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
@@ -524,35 +542,62 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
                 m[2] = min((x for x in u if x > lim), default=inf)
         return m[1] | (-1 << len(u))
 
-    for c in sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11)):
-        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+    # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
+    # the lowest round where both ranks have room until one of them is full, then the next such
+    # round (lower rounds never regain room), so a run is placed round by round, as many at once
+    # as fit -- the same rounds as one copy at a time
+    srt = sorted(copies)
+    j, total = 0, len(srt)
+    while j < total:
+        c = srt[j]
+        key0, s, d = c[0], c[1], c[2]
+        end = j + 1
+        while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
+            end += 1
+        n = (-key0 + ALIGN - 1) // ALIGN * ALIGN
         lim = budget - n
-        s, d = c[1], c[2]
-        both = mask_of(s, lim) & mask_of(d, lim)
-        k = (both & -both).bit_length() - 1
-        for r in (s, d):
-            u = used[r]
-            m = masks[r]
-            if len(u) <= k:             # new rounds start empty: room in every one of them
-                m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
-                u.extend([0] * (k + 1 - len(u)))
-            u[k] += n
-            if u[k] > lim:
-                m[1] &= ~(1 << k)
-                if u[k] < m[2]:
-                    m[2] = u[k]
-        if k >= rounds:
-            rounds = k + 1
-        placed[(k, s, d)].append(c)
+        while j < end:
+            both = mask_of(s, lim) & mask_of(d, lim)
+            k = (both & -both).bit_length() - 1
+            us, ud = used[s], used[d]
+            room = budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)
+            cnt = min(room // n, end - j)
+            add_n = cnt * n
+            for r, u in ((s, us), (d, ud)):
+                m = masks[r]
+                if len(u) <= k:             # new rounds start empty: room in every one of them
+                    m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                    u.extend([0] * (k + 1 - len(u)))
+                u[k] += add_n
+                if u[k] > lim:
+                    m[1] &= ~(1 << k)
+                    if u[k] < m[2]:
+                        m[2] = u[k]
+            if k >= rounds:
+                rounds = k + 1
+            placed[(k, s, d)].extend(srt[j:j + cnt])
+            j += cnt
     messages = []
-    entry_key = itemgetter(3, 4, 5, 8, 9, 10, 11)     # tensor, box, dst buffer, dst local box
-    for (k, s, d) in sorted(placed):
-        entries, off = [], 0
-        for c in sorted(placed[(k, s, d)], key=entry_key):
-            entries.append(_copy(c[3], c[12], s, c[6], c[7], d, c[8], c[13], -c[0], off))
-            off += (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+    entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
+    # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
+    sent: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    stage_send: dict[tuple[int, int], int] = defaultdict(int)
+    stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    for key in sorted(placed):
+        k, s, d = key
+        entries, off, payload = [], 0, 0
+        for c in sorted(placed[key], key=entry_key):
+            nb = -c[0]
+            entries.append(_copy(c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off))
+            off += (nb + ALIGN - 1) // ALIGN * ALIGN
+            payload += nb
         messages.append(Message(k, s, d, off, tuple(entries)))
-    return messages, rounds
+        sent[s] += payload
+        recv[d] += payload
+        stage_send[(k, s)] += off
+        stage_recv[(k, d)] += off
+    return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
 def plan_part(plan: Plan, rank: int) -> Plan:
@@ -580,15 +625,22 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
-    stage: dict[tuple[int, int], int] = defaultdict(int)
     for m in plan.messages:
         payload = sum(c.nbytes for c in m.entries)
         sent[m.src] += payload
         recv[m.dst] += payload
         stage_send[(m.round, m.src)] += m.nbytes
         stage_recv[(m.round, m.dst)] += m.nbytes
-        stage[(m.round, m.src)] += m.nbytes
-        stage[(m.round, m.dst)] += m.nbytes
+    return _stats(plan, lower_bound, (sent, recv, stage_send, stage_recv))
+
+
+def _stats(plan: Plan, lower_bound: int | None, totals: tuple) -> dict:
+    sent, recv, stage_send, stage_recv = totals
+    stage: dict[tuple[int, int], int] = defaultdict(int)
+    for key, v in stage_send.items():
+        stage[key] += v
+    for key, v in stage_recv.items():
+        stage[key] += v
     network = sum(sent.values())
     pad = 0
     for r, b, box in plan.padding:
