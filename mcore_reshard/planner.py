@@ -216,9 +216,17 @@ def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str,
                     entry = by_tensor[p.tensor][key] = (b, [])
                 entry[1].append((r, bname, p))
     out = {}
+    disjoint: dict[tuple, bool] = {}    # the same boxes recur (one tensor per layer): checked once
     for name, boxes in by_tensor.items():
         keys = sorted(boxes)
-        if _disjoint(keys):
+        if len(keys) == 1:
+            ok = True
+        else:
+            kt = tuple(keys)
+            ok = disjoint.get(kt)
+            if ok is None:
+                ok = disjoint[kt] = _disjoint(keys)
+        if ok:
             out[name] = [boxes[k] for k in keys]
         else:
             items = [boxes[k] for k in keys]
@@ -329,16 +337,14 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         b = p.local_of(unchecked_box(offs, sizes))
         return b.offsets, b.sizes
 
-    geometry: dict[tuple, tuple[int, list]] = {}
+    geometry: dict[tuple, tuple[bool, list]] = {}
 
-    def regions_of(sid: int, dp: Piece) -> tuple[int, list]:
-        """(elements covered, [(source row, offsets, sizes, elements, Box, dst local offsets, dst
-        local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``."""
+    def regions_of(key: tuple, dp: Piece) -> tuple[bool, list]:
+        """(whether they cover it, [(source row, offsets, sizes, elements, Box, dst local offsets,
+        dst local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``;
+        ``key`` = (sid, dp's box offsets and sizes, dp's local offsets and sizes)."""
+        sid = key[0]
         dbox = dp.box
-        key = (sid, dbox.offsets, dbox.sizes, dp.local.offsets, dp.local.sizes)
-        got = geometry.get(key)
-        if got is not None:
-            return got
         spans, first, longest = windows[sid]
         do, de = dbox.offsets, dbox.ends
         lo_i, hi_i = (bisect_left(first, do[0] - longest + 1), bisect_left(first, de[0])) if do else (0, len(spans))
@@ -353,7 +359,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             covered += numel
             dlo, dls = to_local(dp, lo, sizes)
             out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, unchecked_box(dlo, dls)))
-        got = geometry[key] = (covered, out)
+        got = geometry[key] = (covered == prod(dbox.sizes), out)
         return got
 
     local: list[Copy] = []
@@ -363,24 +369,34 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     # gives it without key tuples
     remote: list[tuple] = []
     lower_bound = 0
+    isz_of = {name: itemsize(t["src_dtype"]) for name, t in tensors.items()}
+    append = remote.append
     for r, bufs in sorted(dst.buffers.items()):
         for bname in sorted(bufs):
             for dp in bufs[bname].pieces:
                 tname = dp.tensor
-                isz = itemsize(tensors[tname]["src_dtype"])
+                isz = isz_of[tname]
                 src_rows = sources.get(tname)
-                covered, regions = regions_of(src_rows[1], dp) if src_rows else (0, ())
+                dbox, dlocal = dp.box, dp.local
+                if src_rows is None:
+                    if prod(dbox.sizes):
+                        _raise_uncovered(tensors, index, r, bname, dp, [])
+                    continue
+                gkey = (src_rows[1], dbox.offsets, dbox.sizes, dlocal.offsets, dlocal.sizes)
+                got = geometry.get(gkey)
+                complete, regions = got if got is not None else regions_of(gkey, dp)
+                rows = src_rows[0]
                 for k, lo, sizes, numel, rbox, dlo, dls, dlbox in regions:
-                    holders, hranks = src_rows[0][k]
+                    holders, hranks = rows[k]
                     if r in hranks:
                         hr, hb, hp = next(h for h in holders if h[0] == r)
                         slo, sls = to_local(hp, lo, sizes)
                         local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
                     else:
-                        remote.append((-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz, rbox,
-                                       dlo, dls, dlbox))
+                        append((-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz, rbox,
+                                dlo, dls, dlbox))
                         lower_bound += numel * isz
-                if covered != dp.box.numel:
+                if not complete:
                     _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
 
     # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
@@ -450,20 +466,30 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
                     b, unchecked_box(dlo, dls)))
 
     messages, rounds, totals = _pack_rounds(copies, budget_bytes)
-    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items())
-               if sum(prod(p.local.sizes) for p in buf.pieces) != prod(buf.shape) for box in buf.padding()]
     metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
+    padding: list[tuple[int, str, Box]] = []
 
-    def meta(b) -> list:
-        m = metas.get((b.shape, b.dtype))
-        if m is None:
-            m = metas[(b.shape, b.dtype)] = [list(b.shape), b.dtype]
-        return m
+    def side(layout: Layout, pad: bool) -> dict:
+        """rank -> buffer name -> [shape, dtype], sorted; with ``pad``, the zero padding of each buffer."""
+        out = {}
+        for r, bufs in sorted(layout.buffers.items()):
+            metas_r = out[r] = {}
+            for n in sorted(bufs):
+                b = bufs[n]
+                shape = b.shape
+                mkey = (shape, b.dtype)
+                m = metas.get(mkey)
+                if m is None:
+                    m = metas[mkey] = [list(shape), b.dtype]
+                metas_r[n] = m
+                if pad:
+                    ps = b.pieces
+                    if ((len(ps) != 1 or ps[0].local.sizes != shape)
+                            and sum(prod(p.local.sizes) for p in ps) != prod(shape)):
+                        padding.extend((r, b.name, box) for box in b.padding())
+        return out
 
-    buffers = {
-        "src": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
-        "dst": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
-    }
+    buffers = {"src": side(src, False), "dst": side(dst, True)}
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
     plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
     plan.stats = _stats(plan, lower_bound, totals)
