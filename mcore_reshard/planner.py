@@ -399,38 +399,9 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
                 if not complete:
                     _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
 
-    # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
-    load: dict[int, int] = defaultdict(int)
-    remote.sort()
-    chosen: list[tuple[int, str, Piece]] = []      # the sender of remote[p]
-    choose = chosen.append
-    heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
-    first_holder: dict[int, dict] = {}
-    for x in remote:
-        holders = x[7]
-        key = id(holders)
-        heap = heaps.get(key)
-        if heap is None:
-            firsts = first_holder[key] = {}
-            for h in holders:
-                firsts.setdefault(h[0], h)
-            heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
-            heapify(heap)
-        if len(heap) == 1:              # one holder rank: nothing to choose
-            best = heap[0][1]
-            choose(first_holder[key][best])
-            load[best] -= x[0]
-            continue
-        top = heap[0]
-        while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
-            heapreplace(heap, (load[top[1]], top[1]))
-            top = heap[0]
-        best = top[1]
-        choose(first_holder[key][best])
-        load[best] -= x[0]
-        heapreplace(heap, (load[best], best))
-    _rebalance(remote, chosen, load)
-
+    # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank),
+    # and make each region's copies right away (those of a region _rebalance moves are remade)
+    #
     # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, sequence number, src buffer, src
     # local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box); Copy objects
     # are made once, at packing, with their staging offset (in greedy order: the sequence number
@@ -439,14 +410,15 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     src_boxes: dict[tuple, Box] = {}
     piece_keys: dict[int, tuple] = {}   # id(source piece) -> what its local box of a sub-box depends on
     max_bytes: dict[int, int] = {}      # itemsize -> largest copy that fits the budget unsplit
-    append = copies.append
-    for x, (sr, sbuf, spiece) in zip(remote, chosen):
+
+    def copies_of(x: tuple, h: tuple, seq: int) -> list[tuple]:
+        """The copies of region ``x`` sent by holder ``h``, numbered from ``seq`` (split to fit the budget)."""
         neg, tname, offs, sizes, dr, dbuf, _, _, dpiece, isz, rbox, dlo, dls, dlbox = x
-        nbytes = -neg
+        sr, sbuf, spiece = h
         limit = max_bytes.get(isz)
         if limit is None:
             limit = max_bytes[isz] = max(1, (budget_bytes - ALIGN) // isz) * isz
-        if nbytes <= limit:
+        if -neg <= limit:
             pk = piece_keys.get(id(spiece))
             if pk is None:
                 pb, pl = spiece.box, spiece.local
@@ -456,14 +428,70 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             slbox = src_boxes.get(skey)
             if slbox is None:
                 slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
-            append((neg, sr, dr, tname, offs, sizes, len(copies), sbuf, slbox, dbuf, dlo, dls, rbox, dlbox))
-            continue
+            return [(neg, sr, dr, tname, offs, sizes, seq, sbuf, slbox, dbuf, dlo, dls, rbox, dlbox)]
+        out = []
         for b in split_box(rbox, limit // isz):
             so, ss = b.offsets, b.sizes
             slo, sls = to_local(spiece, so, ss)
             dlo, dls = to_local(dpiece, so, ss)
-            append((-prod(ss) * isz, sr, dr, tname, so, ss, len(copies), sbuf, unchecked_box(slo, sls), dbuf, dlo, dls,
-                    b, unchecked_box(dlo, dls)))
+            out.append((-prod(ss) * isz, sr, dr, tname, so, ss, seq + len(out), sbuf, unchecked_box(slo, sls), dbuf,
+                        dlo, dls, b, unchecked_box(dlo, dls)))
+        return out
+
+    load: dict[int, int] = defaultdict(int)
+    remote.sort()
+    chosen: list[tuple[int, str, Piece]] = []      # the sender of remote[p]
+    choose = chosen.append
+    first_copy: list[int] = []                     # index in copies of remote[p]'s first copy
+    heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
+    first_holder: dict[int, dict] = {}
+    append, extend, mark = copies.append, copies.extend, first_copy.append
+    last_key = heap = firsts = None
+    for x in remote:
+        key = id(x[7])
+        if key != last_key:             # consecutive regions often share their holders
+            last_key = key
+            heap = heaps.get(key)
+            if heap is None:
+                firsts = first_holder[key] = {}
+                for h in x[7]:
+                    firsts.setdefault(h[0], h)
+                heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
+                heapify(heap)
+            else:
+                firsts = first_holder[key]
+        if len(heap) == 1:              # one holder rank: nothing to choose
+            best = heap[0][1]
+            load[best] -= x[0]
+        else:
+            top = heap[0]
+            while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+                heapreplace(heap, (load[top[1]], top[1]))
+                top = heap[0]
+            best = top[1]
+            load[best] -= x[0]
+            heapreplace(heap, (load[best], best))
+        h = firsts[best]
+        choose(h)
+        n = len(copies)
+        mark(n)
+        # copies_of(x, h, n), inlined for the common case: one unsplit copy
+        isz = x[9]
+        limit = max_bytes.get(isz)
+        spiece = h[2]
+        pk = piece_keys.get(id(spiece))
+        if limit is None or -x[0] > limit or pk is None:
+            extend(copies_of(x, h, n))
+            continue
+        slbox = src_boxes.get((id(x[10]), pk))
+        if slbox is None:
+            extend(copies_of(x, h, n))
+            continue
+        append((x[0], best, x[4], x[1], x[2], x[3], n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
+    for p in _rebalance(remote, chosen, load):
+        n = first_copy[p]
+        new = copies_of(remote[p], chosen[p], n)
+        copies[n:n + len(new)] = new
 
     messages, rounds, totals = _pack_rounds(copies, budget_bytes)
     metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
@@ -497,11 +525,12 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     return plan
 
 
-def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
+def _rebalance(remote, chosen, load, max_moves: int = 100000) -> list[int]:
     """Move regions off the most loaded sender while that lowers the maximum (deterministic).
 
     ``remote[p]`` (in greedy order) is sent by ``chosen[p]``; ties between regions go by their
-    sequence number ``remote[p][6]``."""
+    sequence number ``remote[p][6]``.  Returns the positions p whose sender changed, in order."""
+    moved: set[int] = set()
     by_sender: dict[int, set[int]] = defaultdict(set)
     pos = [0] * len(remote)
     for p, h in enumerate(chosen):
@@ -510,7 +539,7 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
         by_sender[h[0]].add(i)
     for _ in range(max_moves):
         if not load:
-            return
+            break
         top = max(load, key=lambda q: (load[q], -q))
         best_move = None
         for i in sorted(by_sender[top]):
@@ -521,13 +550,15 @@ def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
                     if best_move is None or key < best_move[0]:
                         best_move = (key, i, q, n)
         if best_move is None:
-            return
+            break
         _, i, q, n = best_move
         chosen[pos[i]] = next(h for h in remote[pos[i]][7] if h[0] == q)
+        moved.add(pos[i])
         by_sender[top].discard(i)
         by_sender[q].add(i)
         load[top] -= n
         load[q] += n
+    return sorted(moved)
 
 
 def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, tuple]:
@@ -612,13 +643,22 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
     for key in sorted(placed):
         k, s, d = key
+        group = placed[key]
+        if len(group) > 1:
+            group.sort(key=entry_key)
         entries, off, payload = [], 0, 0
-        for c in sorted(placed[key], key=entry_key):
+        add = entries.append
+        for c in group:
             nb = -c[0]
-            entries.append(_copy(c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off))
+            e = _new(Copy)              # as _copy(...), inlined
+            _setattr(e, "__dict__", {"tensor": c[3], "box": c[12], "src": s, "src_buffer": c[7], "src_local": c[8],
+                                     "dst": d, "dst_buffer": c[9], "dst_local": c[13], "nbytes": nb, "offset": off})
+            add(e)
             off += (nb + ALIGN - 1) // ALIGN * ALIGN
             payload += nb
-        messages.append(Message(k, s, d, off, tuple(entries)))
+        m = _new(Message)               # as Message(...) without the frozen dataclass __init__
+        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)})
+        messages.append(m)
         sent[s] += payload
         recv[d] += payload
         stage_send[(k, s)] += off
