@@ -32,7 +32,7 @@ from math import prod
 from operator import add, itemgetter, sub
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from .box import Box, split_box, subtract, unchecked_box
 from .layout import Layout, Piece, itemsize
@@ -50,9 +50,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class Copy:
-    """One box of ``tensor`` from ``src_buffer[src_local]`` on ``src`` to ``dst_buffer[dst_local]`` on ``dst``."""
+class Copy(NamedTuple):
+    """One box of ``tensor`` from ``src_buffer[src_local]`` on ``src`` to ``dst_buffer[dst_local]`` on ``dst``.
+
+    Immutable, with fields by name like a frozen dataclass; a named tuple because a full-size plan
+    makes ~10^5..10^7 of them and a tuple is several times cheaper to build."""
     tensor: str
     box: Box
     src: int
@@ -77,16 +79,13 @@ class Copy:
 
 _new = object.__new__
 _setattr = object.__setattr__
+_tuple_new = tuple.__new__
 _UNSET = object()
 
 
 def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
-    """``Copy(...)`` without the frozen-dataclass ``__init__`` overhead (same object)."""
-    c = _new(Copy)
-    _setattr(c, "__dict__", {"tensor": tensor, "box": box, "src": src, "src_buffer": src_buffer, "src_local": src_local,
-                             "dst": dst, "dst_buffer": dst_buffer, "dst_local": dst_local, "nbytes": nbytes,
-                             "offset": offset})
-    return c
+    """``Copy(...)`` without the keyword-argument handling (same object)."""
+    return _tuple_new(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
 
 
 def _box_json(o) -> Box:
@@ -446,8 +445,9 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
     first_holder: dict[int, dict] = {}
     append, extend, mark = copies.append, copies.extend, first_copy.append
+    by_rank: dict[int, list[int]] = defaultdict(list)   # sender -> positions p it sends
     last_key = heap = firsts = None
-    for x in remote:
+    for p, x in enumerate(remote):
         key = id(x[7])
         if key != last_key:             # consecutive regions often share their holders
             last_key = key
@@ -473,6 +473,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             heapreplace(heap, (load[best], best))
         h = firsts[best]
         choose(h)
+        by_rank[best].append(p)
         n = len(copies)
         mark(n)
         # copies_of(x, h, n), inlined for the common case: one unsplit copy
@@ -488,7 +489,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             extend(copies_of(x, h, n))
             continue
         append((x[0], best, x[4], x[1], x[2], x[3], n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
-    for p in _rebalance(remote, chosen, load):
+    for p in _rebalance(remote, chosen, load, by_rank):
         n = first_copy[p]
         new = copies_of(remote[p], chosen[p], n)
         copies[n:n + len(new)] = new
@@ -525,37 +526,42 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     return plan
 
 
-def _rebalance(remote, chosen, load, max_moves: int = 100000) -> list[int]:
+def _rebalance(remote, chosen, load, by_rank, max_moves: int = 100000) -> list[int]:
     """Move regions off the most loaded sender while that lowers the maximum (deterministic).
 
-    ``remote[p]`` (in greedy order) is sent by ``chosen[p]``; ties between regions go by their
-    sequence number ``remote[p][6]``.  Returns the positions p whose sender changed, in order."""
+    ``remote[p]`` (in greedy order) is sent by ``chosen[p]``; ``by_rank[q]`` lists the positions p
+    that rank q sends; ties between regions go by their sequence number ``remote[p][6]``.  Returns
+    the positions p whose sender changed, in order."""
     moved: set[int] = set()
-    by_sender: dict[int, set[int]] = defaultdict(set)
-    pos = [0] * len(remote)
-    for p, h in enumerate(chosen):
-        i = remote[p][6]
-        pos[i] = p
-        by_sender[h[0]].add(i)
+    sets: dict[int, set[int]] = {}      # by_rank as sets, made for the ranks a move touches only
+
+    def regions(q: int) -> set[int]:
+        got = sets.get(q)
+        if got is None:
+            got = sets[q] = set(by_rank.get(q, ()))
+        return got
+
+    seq = lambda p: remote[p][6]
     for _ in range(max_moves):
         if not load:
             break
         top = max(load, key=lambda q: (load[q], -q))
         best_move = None
-        for i in sorted(by_sender[top]):
-            holders, n = remote[pos[i]][7], -remote[pos[i]][0]
-            for q in sorted({x[0] for x in holders}):
+        for p in sorted(regions(top), key=seq):
+            x = remote[p]
+            holders, n, i = x[7], -x[0], x[6]
+            for q in sorted({h[0] for h in holders}):
                 if q != top and load[q] + n < load[top]:
                     key = (load[q] + n, q, i)
                     if best_move is None or key < best_move[0]:
-                        best_move = (key, i, q, n)
+                        best_move = (key, p, q, n)
         if best_move is None:
             break
-        _, i, q, n = best_move
-        chosen[pos[i]] = next(h for h in remote[pos[i]][7] if h[0] == q)
-        moved.add(pos[i])
-        by_sender[top].discard(i)
-        by_sender[q].add(i)
+        _, p, q, n = best_move
+        chosen[p] = next(h for h in remote[p][7] if h[0] == q)
+        moved.add(p)
+        regions(top).discard(p)
+        regions(q).add(p)
         load[top] -= n
         load[q] += n
     return sorted(moved)
@@ -650,10 +656,7 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
         add = entries.append
         for c in group:
             nb = -c[0]
-            e = _new(Copy)              # as _copy(...), inlined
-            _setattr(e, "__dict__", {"tensor": c[3], "box": c[12], "src": s, "src_buffer": c[7], "src_local": c[8],
-                                     "dst": d, "dst_buffer": c[9], "dst_local": c[13], "nbytes": nb, "offset": off})
-            add(e)
+            add(_tuple_new(Copy, (c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off)))     # _copy(...) inlined
             off += (nb + ALIGN - 1) // ALIGN * ALIGN
             payload += nb
         m = _new(Message)               # as Message(...) without the frozen dataclass __init__
