@@ -210,9 +210,10 @@ def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str,
             for p in bufs[bname].pieces:
                 b = p.box
                 key = (b.offsets, b.sizes)      # orders like the Box itself, hashes much faster
-                entry = by_tensor[p.tensor].get(key)
+                boxes = by_tensor[p.tensor]
+                entry = boxes.get(key)
                 if entry is None:
-                    entry = by_tensor[p.tensor][key] = (b, [])
+                    entry = boxes[key] = (b, [])
                 entry[1].append((r, bname, p))
     out = {}
     disjoint: dict[tuple, bool] = {}    # the same boxes recur (one tensor per layer): checked once
@@ -446,7 +447,8 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     first_holder: dict[int, dict] = {}
     append, extend, mark = copies.append, copies.extend, first_copy.append
     by_rank: dict[int, list[int]] = defaultdict(list)   # sender -> positions p it sends
-    last_key = heap = firsts = None
+    pairs: dict[int, tuple | None] = {}
+    last_key = heap = firsts = pair = None
     for p, x in enumerate(remote):
         key = id(x[7])
         if key != last_key:             # consecutive regions often share their holders
@@ -458,9 +460,15 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
                     firsts.setdefault(h[0], h)
                 heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
                 heapify(heap)
+                pair = pairs[key] = tuple(sorted(firsts)) if len(firsts) == 2 else None
             else:
                 firsts = first_holder[key]
-        if len(heap) == 1:              # one holder rank: nothing to choose
+                pair = pairs[key]
+        if pair is not None:            # two holder ranks: the heap's answer, without the heap
+            a, b = pair
+            best = a if load[a] <= load[b] else b
+            load[best] -= x[0]
+        elif len(heap) == 1:            # one holder rank: nothing to choose
             best = heap[0][1]
             load[best] -= x[0]
         else:
@@ -481,7 +489,11 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         limit = max_bytes.get(isz)
         spiece = h[2]
         pk = piece_keys.get(id(spiece))
-        if limit is None or -x[0] > limit or pk is None:
+        if pk is None:
+            pb, pl = spiece.box, spiece.local
+            pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
+                                           else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+        if limit is None or -x[0] > limit:
             extend(copies_of(x, h, n))
             continue
         slbox = src_boxes.get((id(x[10]), pk))
