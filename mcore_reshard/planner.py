@@ -505,6 +505,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         n = first_copy[p]
         new = copies_of(remote[p], chosen[p], n)
         copies[n:n + len(new)] = new
+    del remote, chosen, by_rank, first_copy     # freed before packing allocates the messages
 
     messages, rounds, totals = _pack_rounds(copies, budget_bytes)
     metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
@@ -621,7 +622,8 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
     # the lowest round where both ranks have room until one of them is full, then the next such
     # round (lower rounds never regain room), so a run is placed round by round, as many at once
     # as fit -- the same rounds as one copy at a time
-    srt = sorted(copies)
+    copies.sort()                       # in place: the caller hands the list over
+    srt = copies
     j, total = 0, len(srt)
     while j < total:
         c = srt[j]
