@@ -80,7 +80,6 @@ class Copy(NamedTuple):
 _new = object.__new__
 _setattr = object.__setattr__
 _tuple_new = tuple.__new__
-_UNSET = object()
 
 
 def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
