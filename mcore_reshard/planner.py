@@ -312,6 +312,9 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     # whose source boxes are the same (e.g. one per layer) share a shape id, so the geometry of a
     # destination piece against them is computed once (``regions_of``) and reused for every layer
     sources: dict[str, tuple[list, int]] = {}
+    # holder ranks per source box, for the local-copy check: only needed where a rank is in both layouts
+    shared_ranks = not set(src.buffers).isdisjoint(dst.buffers)
+    no_ranks: frozenset = frozenset()
     shape_ids: dict[tuple, int] = {}
     windows: list[tuple[list, list[int], int]] = []
     for name, items in index.items():
@@ -321,7 +324,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             sid = shape_ids[keys] = len(windows)
             windows.append(([(b.offsets, b.ends) for b, _ in items], [b.offsets[0] if b.ndim else 0 for b, _ in items],
                             max((b.sizes[0] if b.ndim else 1) for b, _ in items)))
-        sources[name] = ([(h, frozenset(x[0] for x in h)) for _, h in items], sid)
+        sources[name] = ([(h, frozenset(x[0] for x in h) if shared_ranks else no_ranks) for _, h in items], sid)
     local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
 
     def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
