@@ -32,7 +32,7 @@ from math import prod
 from operator import add, itemgetter, sub
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from .box import Box, split_box, subtract, unchecked_box
 from .layout import Layout, Piece, itemsize
@@ -50,9 +50,11 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@dataclass(frozen=True)
-class Copy:
-    """One box of ``tensor`` from ``src_buffer[src_local]`` on ``src`` to ``dst_buffer[dst_local]`` on ``dst``."""
+class Copy(NamedTuple):
+    """One box of ``tensor`` from ``src_buffer[src_local]`` on ``src`` to ``dst_buffer[dst_local]`` on ``dst``.
+
+    Immutable, with fields by name like a frozen dataclass; a named tuple because a full-size plan
+    makes ~10^5..10^7 of them and a tuple is several times cheaper to build."""
     tensor: str
     box: Box
     src: int
@@ -77,16 +79,12 @@ class Copy:
 
 _new = object.__new__
 _setattr = object.__setattr__
-_UNSET = object()
+_tuple_new = tuple.__new__
 
 
 def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
-    """``Copy(...)`` without the frozen-dataclass ``__init__`` overhead (same object)."""
-    c = _new(Copy)
-    _setattr(c, "__dict__", {"tensor": tensor, "box": box, "src": src, "src_buffer": src_buffer, "src_local": src_local,
-                             "dst": dst, "dst_buffer": dst_buffer, "dst_local": dst_local, "nbytes": nbytes,
-                             "offset": offset})
-    return c
+    """``Copy(...)`` without the keyword-argument handling (same object)."""
+    return _tuple_new(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
 
 
 def _box_json(o) -> Box:
@@ -211,14 +209,23 @@ def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str,
             for p in bufs[bname].pieces:
                 b = p.box
                 key = (b.offsets, b.sizes)      # orders like the Box itself, hashes much faster
-                entry = by_tensor[p.tensor].get(key)
+                boxes = by_tensor[p.tensor]
+                entry = boxes.get(key)
                 if entry is None:
-                    entry = by_tensor[p.tensor][key] = (b, [])
+                    entry = boxes[key] = (b, [])
                 entry[1].append((r, bname, p))
     out = {}
+    disjoint: dict[tuple, bool] = {}    # the same boxes recur (one tensor per layer): checked once
     for name, boxes in by_tensor.items():
         keys = sorted(boxes)
-        if _disjoint(keys):
+        if len(keys) == 1:
+            ok = True
+        else:
+            kt = tuple(keys)
+            ok = disjoint.get(kt)
+            if ok is None:
+                ok = disjoint[kt] = _disjoint(keys)
+        if ok:
             out[name] = [boxes[k] for k in keys]
         else:
             items = [boxes[k] for k in keys]
@@ -305,6 +312,9 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     # whose source boxes are the same (e.g. one per layer) share a shape id, so the geometry of a
     # destination piece against them is computed once (``regions_of``) and reused for every layer
     sources: dict[str, tuple[list, int]] = {}
+    # holder ranks per source box, for the local-copy check: only needed where a rank is in both layouts
+    shared_ranks = not set(src.buffers).isdisjoint(dst.buffers)
+    no_ranks: frozenset = frozenset()
     shape_ids: dict[tuple, int] = {}
     windows: list[tuple[list, list[int], int]] = []
     for name, items in index.items():
@@ -314,7 +324,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             sid = shape_ids[keys] = len(windows)
             windows.append(([(b.offsets, b.ends) for b, _ in items], [b.offsets[0] if b.ndim else 0 for b, _ in items],
                             max((b.sizes[0] if b.ndim else 1) for b, _ in items)))
-        sources[name] = ([(h, frozenset(x[0] for x in h)) for _, h in items], sid)
+        sources[name] = ([(h, frozenset(x[0] for x in h) if shared_ranks else no_ranks) for _, h in items], sid)
     local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
 
     def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
@@ -329,16 +339,14 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         b = p.local_of(unchecked_box(offs, sizes))
         return b.offsets, b.sizes
 
-    geometry: dict[tuple, tuple[int, list]] = {}
+    geometry: dict[tuple, tuple[bool, list]] = {}
 
-    def regions_of(sid: int, dp: Piece) -> tuple[int, list]:
-        """(elements covered, [(source row, offsets, sizes, elements, Box, dst local offsets, dst
-        local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``."""
+    def regions_of(key: tuple, dp: Piece) -> tuple[bool, list]:
+        """(whether they cover it, [(source row, offsets, sizes, elements, Box, dst local offsets,
+        dst local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``;
+        ``key`` = (sid, dp's box offsets and sizes, dp's local offsets and sizes)."""
+        sid = key[0]
         dbox = dp.box
-        key = (sid, dbox.offsets, dbox.sizes, dp.local.offsets, dp.local.sizes)
-        got = geometry.get(key)
-        if got is not None:
-            return got
         spans, first, longest = windows[sid]
         do, de = dbox.offsets, dbox.ends
         lo_i, hi_i = (bisect_left(first, do[0] - longest + 1), bisect_left(first, de[0])) if do else (0, len(spans))
@@ -353,141 +361,228 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
             covered += numel
             dlo, dls = to_local(dp, lo, sizes)
             out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, unchecked_box(dlo, dls)))
-        got = geometry[key] = (covered, out)
+        got = geometry[key] = (covered == prod(dbox.sizes), out)
         return got
 
     local: list[Copy] = []
-    # remote regions: (offsets, sizes, tensor, holders, dst rank, dst buffer, dst piece, itemsize,
-    # bytes, Box, dst local offsets, dst local sizes, dst local Box)
+    # remote regions: (-bytes, tensor, offsets, sizes, dst rank, dst buffer, sequence number,
+    # holders, dst piece, itemsize, Box, dst local offsets, dst local sizes, dst local Box): the
+    # fields up to the (unique) sequence number are the sender greedy's order, so a plain sort
+    # gives it without key tuples
     remote: list[tuple] = []
     lower_bound = 0
+    isz_of = {name: itemsize(t["src_dtype"]) for name, t in tensors.items()}
+    append = remote.append
     for r, bufs in sorted(dst.buffers.items()):
         for bname in sorted(bufs):
             for dp in bufs[bname].pieces:
                 tname = dp.tensor
-                isz = itemsize(tensors[tname]["src_dtype"])
+                isz = isz_of[tname]
                 src_rows = sources.get(tname)
-                covered, regions = regions_of(src_rows[1], dp) if src_rows else (0, ())
+                dbox, dlocal = dp.box, dp.local
+                if src_rows is None:
+                    if prod(dbox.sizes):
+                        _raise_uncovered(tensors, index, r, bname, dp, [])
+                    continue
+                gkey = (src_rows[1], dbox.offsets, dbox.sizes, dlocal.offsets, dlocal.sizes)
+                got = geometry.get(gkey)
+                complete, regions = got if got is not None else regions_of(gkey, dp)
+                rows = src_rows[0]
                 for k, lo, sizes, numel, rbox, dlo, dls, dlbox in regions:
-                    holders, hranks = src_rows[0][k]
+                    holders, hranks = rows[k]
                     if r in hranks:
                         hr, hb, hp = next(h for h in holders if h[0] == r)
                         slo, sls = to_local(hp, lo, sizes)
                         local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
                     else:
-                        remote.append((lo, sizes, tname, holders, r, bname, dp, isz, numel * isz, rbox, dlo, dls, dlbox))
+                        append((-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz, rbox,
+                                dlo, dls, dlbox))
                         lower_bound += numel * isz
-                if covered != dp.box.numel:
+                if not complete:
                     _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
 
-    # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank)
-    load: dict[int, int] = defaultdict(int)
-    order = [k[-1] for k in sorted([(-x[8], x[2], x[0], x[1], x[4], x[5], i) for i, x in enumerate(remote)])]
-    chosen: dict[int, tuple[int, str, Piece]] = {}
-    heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
-    first_holder: dict[int, dict] = {}
-    for i in order:
-        holders = remote[i][3]
-        key = id(holders)
-        heap = heaps.get(key)
-        if heap is None:
-            firsts = first_holder[key] = {}
-            for h in holders:
-                firsts.setdefault(h[0], h)
-            heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
-            heapify(heap)
-        if len(heap) == 1:              # one holder rank: nothing to choose
-            best = heap[0][1]
-            chosen[i] = first_holder[key][best]
-            load[best] += remote[i][8]
-            continue
-        top = heap[0]
-        while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
-            heapreplace(heap, (load[top[1]], top[1]))
-            top = heap[0]
-        best = top[1]
-        chosen[i] = first_holder[key][best]
-        load[best] += remote[i][8]
-        heapreplace(heap, (load[best], best))
-    _rebalance(remote, chosen, load)
-
-    # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, src buffer, src local Box, dst
-    # buffer, dst local offsets, dst local sizes, sequence number, Box, dst local Box); Copy
-    # objects are made once, at packing, with their staging offset
-    # (in greedy order: the sequence number only orders copies that tie on everything else)
+    # choose senders among replicas: largest first, to the least-loaded holder (ties: lowest rank),
+    # and make each region's copies right away (those of a region _rebalance moves are remade)
+    #
+    # copies as tuples: (-bytes, src, dst, tensor, offsets, sizes, sequence number, src buffer, src
+    # local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box); Copy objects
+    # are made once, at packing, with their staging offset (in greedy order: the sequence number
+    # only orders copies that tie on everything before it, so a plain sort is the packing order)
     copies: list[tuple] = []
     src_boxes: dict[tuple, Box] = {}
-    for i, (sr, sbuf, spiece) in chosen.items():
-        offs, sizes, tname, _, dr, dbuf, dpiece, isz, nbytes, rbox, dlo, dls, dlbox = remote[i]
-        max_elems = max(1, (budget_bytes - ALIGN) // isz)
-        if nbytes // isz <= max_elems:
-            delta = local_maps.get(id(spiece), _UNSET)
-            if delta is not None and delta is not _UNSET:     # source local box = box shifted by delta
-                skey = (id(rbox), delta)
-                slbox = src_boxes.get(skey)
-                if slbox is None:
-                    slbox = src_boxes[skey] = unchecked_box(tuple(map(add, offs, delta)), sizes)
-            else:
-                slbox = unchecked_box(*to_local(spiece, offs, sizes))
-            copies.append((-nbytes, sr, dr, tname, offs, sizes, sbuf, slbox, dbuf, dlo, dls, len(copies), rbox, dlbox))
-            continue
-        for b in split_box(rbox, max_elems):
+    piece_keys: dict[int, tuple] = {}   # id(source piece) -> what its local box of a sub-box depends on
+    max_bytes: dict[int, int] = {}      # itemsize -> largest copy that fits the budget unsplit
+
+    def copies_of(x: tuple, h: tuple, seq: int) -> list[tuple]:
+        """The copies of region ``x`` sent by holder ``h``, numbered from ``seq`` (split to fit the budget)."""
+        neg, tname, offs, sizes, dr, dbuf, _, _, dpiece, isz, rbox, dlo, dls, dlbox = x
+        sr, sbuf, spiece = h
+        limit = max_bytes.get(isz)
+        if limit is None:
+            limit = max_bytes[isz] = max(1, (budget_bytes - ALIGN) // isz) * isz
+        if -neg <= limit:
+            pk = piece_keys.get(id(spiece))
+            if pk is None:
+                pb, pl = spiece.box, spiece.local
+                pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
+                                               else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+            skey = (id(rbox), pk)       # rbox is shared (and alive) per geometry: same id, same box
+            slbox = src_boxes.get(skey)
+            if slbox is None:
+                slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
+            return [(neg, sr, dr, tname, offs, sizes, seq, sbuf, slbox, dbuf, dlo, dls, rbox, dlbox)]
+        out = []
+        for b in split_box(rbox, limit // isz):
             so, ss = b.offsets, b.sizes
             slo, sls = to_local(spiece, so, ss)
             dlo, dls = to_local(dpiece, so, ss)
-            copies.append((-prod(ss) * isz, sr, dr, tname, so, ss, sbuf, unchecked_box(slo, sls), dbuf, dlo, dls,
-                           len(copies), b, unchecked_box(dlo, dls)))
+            out.append((-prod(ss) * isz, sr, dr, tname, so, ss, seq + len(out), sbuf, unchecked_box(slo, sls), dbuf,
+                        dlo, dls, b, unchecked_box(dlo, dls)))
+        return out
 
-    messages, rounds = _pack_rounds(copies, budget_bytes)
-    padding = [(r, buf.name, box) for r in dst.ranks for name, buf in sorted(dst.buffers[r].items())
-               if sum(prod(p.local.sizes) for p in buf.pieces) != prod(buf.shape) for box in buf.padding()]
+    load: dict[int, int] = defaultdict(int)
+    remote.sort()
+    chosen: list[tuple[int, str, Piece]] = []      # the sender of remote[p]
+    choose = chosen.append
+    first_copy: list[int] = []                     # index in copies of remote[p]'s first copy
+    heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
+    first_holder: dict[int, dict] = {}
+    append, extend, mark = copies.append, copies.extend, first_copy.append
+    by_rank: dict[int, list[int]] = defaultdict(list)   # sender -> positions p it sends
+    pairs: dict[int, tuple | None] = {}
+    last_key = heap = firsts = pair = None
+    for p, x in enumerate(remote):
+        key = id(x[7])
+        if key != last_key:             # consecutive regions often share their holders
+            last_key = key
+            heap = heaps.get(key)
+            if heap is None:
+                firsts = first_holder[key] = {}
+                for h in x[7]:
+                    firsts.setdefault(h[0], h)
+                heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
+                heapify(heap)
+                pair = pairs[key] = tuple(sorted(firsts)) if len(firsts) == 2 else None
+            else:
+                firsts = first_holder[key]
+                pair = pairs[key]
+        if pair is not None:            # two holder ranks: the heap's answer, without the heap
+            a, b = pair
+            best = a if load[a] <= load[b] else b
+            load[best] -= x[0]
+        elif len(heap) == 1:            # one holder rank: nothing to choose
+            best = heap[0][1]
+            load[best] -= x[0]
+        else:
+            top = heap[0]
+            while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+                heapreplace(heap, (load[top[1]], top[1]))
+                top = heap[0]
+            best = top[1]
+            load[best] -= x[0]
+            heapreplace(heap, (load[best], best))
+        h = firsts[best]
+        choose(h)
+        by_rank[best].append(p)
+        n = len(copies)
+        mark(n)
+        # copies_of(x, h, n), inlined for the common case: one unsplit copy
+        isz = x[9]
+        limit = max_bytes.get(isz)
+        spiece = h[2]
+        pk = piece_keys.get(id(spiece))
+        if pk is None:
+            pb, pl = spiece.box, spiece.local
+            pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
+                                           else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+        if limit is None or -x[0] > limit:
+            extend(copies_of(x, h, n))
+            continue
+        slbox = src_boxes.get((id(x[10]), pk))
+        if slbox is None:
+            extend(copies_of(x, h, n))
+            continue
+        append((x[0], best, x[4], x[1], x[2], x[3], n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
+    for p in _rebalance(remote, chosen, load, by_rank):
+        n = first_copy[p]
+        new = copies_of(remote[p], chosen[p], n)
+        copies[n:n + len(new)] = new
+    del remote, chosen, by_rank, first_copy     # freed before packing allocates the messages
+
+    messages, rounds, totals = _pack_rounds(copies, budget_bytes)
     metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
+    padding: list[tuple[int, str, Box]] = []
 
-    def meta(b) -> list:
-        m = metas.get((b.shape, b.dtype))
-        if m is None:
-            m = metas[(b.shape, b.dtype)] = [list(b.shape), b.dtype]
-        return m
+    def side(layout: Layout, pad: bool) -> dict:
+        """rank -> buffer name -> [shape, dtype], sorted; with ``pad``, the zero padding of each buffer."""
+        out = {}
+        for r, bufs in sorted(layout.buffers.items()):
+            metas_r = out[r] = {}
+            for n in sorted(bufs):
+                b = bufs[n]
+                shape = b.shape
+                mkey = (shape, b.dtype)
+                m = metas.get(mkey)
+                if m is None:
+                    m = metas[mkey] = [list(shape), b.dtype]
+                metas_r[n] = m
+                if pad:
+                    ps = b.pieces
+                    if ((len(ps) != 1 or ps[0].local.sizes != shape)
+                            and sum(prod(p.local.sizes) for p in ps) != prod(shape)):
+                        padding.extend((r, b.name, box) for box in b.padding())
+        return out
 
-    buffers = {
-        "src": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(src.buffers.items())},
-        "dst": {r: {n: meta(b) for n, b in sorted(bufs.items())} for r, bufs in sorted(dst.buffers.items())},
-    }
+    buffers = {"src": side(src, False), "dst": side(dst, True)}
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
     plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
-    plan.stats = plan_stats(plan, lower_bound)
+    plan.stats = _stats(plan, lower_bound, totals)
     plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
     return plan
 
 
-def _rebalance(remote, chosen, load, max_moves: int = 100000) -> None:
-    """Move regions off the most loaded sender while that lowers the maximum (deterministic)."""
-    by_sender: dict[int, set[int]] = defaultdict(set)
-    for i, h in chosen.items():
-        by_sender[h[0]].add(i)
+def _rebalance(remote, chosen, load, by_rank, max_moves: int = 100000) -> list[int]:
+    """Move regions off the most loaded sender while that lowers the maximum (deterministic).
+
+    ``remote[p]`` (in greedy order) is sent by ``chosen[p]``; ``by_rank[q]`` lists the positions p
+    that rank q sends; ties between regions go by their sequence number ``remote[p][6]``.  Returns
+    the positions p whose sender changed, in order."""
+    moved: set[int] = set()
+    sets: dict[int, set[int]] = {}      # by_rank as sets, made for the ranks a move touches only
+
+    def regions(q: int) -> set[int]:
+        got = sets.get(q)
+        if got is None:
+            got = sets[q] = set(by_rank.get(q, ()))
+        return got
+
+    seq = lambda p: remote[p][6]
     for _ in range(max_moves):
         if not load:
-            return
+            break
         top = max(load, key=lambda q: (load[q], -q))
         best_move = None
-        for i in sorted(by_sender[top]):
-            holders, n = remote[i][3], remote[i][8]
-            for q in sorted({x[0] for x in holders}):
+        for p in sorted(regions(top), key=seq):
+            x = remote[p]
+            holders, n, i = x[7], -x[0], x[6]
+            for q in sorted({h[0] for h in holders}):
                 if q != top and load[q] + n < load[top]:
                     key = (load[q] + n, q, i)
                     if best_move is None or key < best_move[0]:
-                        best_move = (key, i, q, n)
+                        best_move = (key, p, q, n)
         if best_move is None:
-            return
-        _, i, q, n = best_move
-        chosen[i] = next(h for h in remote[i][3] if h[0] == q)
-        by_sender[top].discard(i)
-        by_sender[q].add(i)
+            break
+        _, p, q, n = best_move
+        chosen[p] = next(h for h in remote[p][7] if h[0] == q)
+        moved.add(p)
+        regions(top).discard(p)
+        regions(q).add(p)
         load[top] -= n
         load[q] += n
+    return sorted(moved)
 
 
-def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
+def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -495,9 +590,10 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
     with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
     before), and a remote copy's two ranks differ, so a fresh round always has room for it.
 
-    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes, src
-    buffer, src local Box, dst buffer, dst local offsets, dst local sizes, sequence number (ties
-    keep the order given, as a stable sort would), Box, dst local Box)."""
+    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes,
+    sequence number (unique: ties keep the order given, as a stable sort would), src buffer, src
+    local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box).  Also returns
+    the per-rank totals of :func:`plan_stats` (bytes sent, received, staged per round)."""
     # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
     # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
     # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
@@ -524,35 +620,69 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int]:
                 m[2] = min((x for x in u if x > lim), default=inf)
         return m[1] | (-1 << len(u))
 
-    for c in sorted(copies, key=itemgetter(0, 1, 2, 3, 4, 5, 11)):
-        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+    # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
+    # the lowest round where both ranks have room until one of them is full, then the next such
+    # round (lower rounds never regain room), so a run is placed round by round, as many at once
+    # as fit -- the same rounds as one copy at a time
+    copies.sort()                       # in place: the caller hands the list over
+    srt = copies
+    j, total = 0, len(srt)
+    while j < total:
+        c = srt[j]
+        key0, s, d = c[0], c[1], c[2]
+        end = j + 1
+        while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
+            end += 1
+        n = (-key0 + ALIGN - 1) // ALIGN * ALIGN
         lim = budget - n
-        s, d = c[1], c[2]
-        both = mask_of(s, lim) & mask_of(d, lim)
-        k = (both & -both).bit_length() - 1
-        for r in (s, d):
-            u = used[r]
-            m = masks[r]
-            if len(u) <= k:             # new rounds start empty: room in every one of them
-                m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
-                u.extend([0] * (k + 1 - len(u)))
-            u[k] += n
-            if u[k] > lim:
-                m[1] &= ~(1 << k)
-                if u[k] < m[2]:
-                    m[2] = u[k]
-        if k >= rounds:
-            rounds = k + 1
-        placed[(k, s, d)].append(c)
+        while j < end:
+            both = mask_of(s, lim) & mask_of(d, lim)
+            k = (both & -both).bit_length() - 1
+            us, ud = used[s], used[d]
+            room = budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)
+            cnt = min(room // n, end - j)
+            add_n = cnt * n
+            for r, u in ((s, us), (d, ud)):
+                m = masks[r]
+                if len(u) <= k:             # new rounds start empty: room in every one of them
+                    m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                    u.extend([0] * (k + 1 - len(u)))
+                u[k] += add_n
+                if u[k] > lim:
+                    m[1] &= ~(1 << k)
+                    if u[k] < m[2]:
+                        m[2] = u[k]
+            if k >= rounds:
+                rounds = k + 1
+            placed[(k, s, d)].extend(srt[j:j + cnt])
+            j += cnt
     messages = []
-    entry_key = itemgetter(3, 4, 5, 8, 9, 10, 11)     # tensor, box, dst buffer, dst local box
-    for (k, s, d) in sorted(placed):
-        entries, off = [], 0
-        for c in sorted(placed[(k, s, d)], key=entry_key):
-            entries.append(_copy(c[3], c[12], s, c[6], c[7], d, c[8], c[13], -c[0], off))
-            off += (-c[0] + ALIGN - 1) // ALIGN * ALIGN
-        messages.append(Message(k, s, d, off, tuple(entries)))
-    return messages, rounds
+    entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
+    # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
+    sent: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    stage_send: dict[tuple[int, int], int] = defaultdict(int)
+    stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    for key in sorted(placed):
+        k, s, d = key
+        group = placed[key]
+        if len(group) > 1:
+            group.sort(key=entry_key)
+        entries, off, payload = [], 0, 0
+        add = entries.append
+        for c in group:
+            nb = -c[0]
+            add(_tuple_new(Copy, (c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off)))     # _copy(...) inlined
+            off += (nb + ALIGN - 1) // ALIGN * ALIGN
+            payload += nb
+        m = _new(Message)               # as Message(...) without the frozen dataclass __init__
+        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)})
+        messages.append(m)
+        sent[s] += payload
+        recv[d] += payload
+        stage_send[(k, s)] += off
+        stage_recv[(k, d)] += off
+    return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
 def plan_part(plan: Plan, rank: int) -> Plan:
@@ -580,15 +710,22 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
-    stage: dict[tuple[int, int], int] = defaultdict(int)
     for m in plan.messages:
         payload = sum(c.nbytes for c in m.entries)
         sent[m.src] += payload
         recv[m.dst] += payload
         stage_send[(m.round, m.src)] += m.nbytes
         stage_recv[(m.round, m.dst)] += m.nbytes
-        stage[(m.round, m.src)] += m.nbytes
-        stage[(m.round, m.dst)] += m.nbytes
+    return _stats(plan, lower_bound, (sent, recv, stage_send, stage_recv))
+
+
+def _stats(plan: Plan, lower_bound: int | None, totals: tuple) -> dict:
+    sent, recv, stage_send, stage_recv = totals
+    stage: dict[tuple[int, int], int] = defaultdict(int)
+    for key, v in stage_send.items():
+        stage[key] += v
+    for key, v in stage_recv.items():
+        stage[key] += v
     network = sum(sent.values())
     pad = 0
     for r, b, box in plan.padding:
