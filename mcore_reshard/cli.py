@@ -120,15 +120,23 @@ def cmd_plan_fp8(args) -> int:
         t0 = time.perf_counter()
         plan = make_fp8_plan(src, dst, block, budget_bytes=int(args.budget_mib * (1 << 20)),
                              allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True)
-    print(f"source {args.src} ({len(src.ranks)} ranks) -> destination {args.dst} in FP8 ({len(dst.ranks)} ranks, "
+    _header(args, src, dst, plan, " in FP8")
+    print(f"plan hash          {plan.hash[:16]}  built in {time.perf_counter() - t0:.3f} s")
+    _write(args, plan)
+    return 0
+
+
+def _header(args, src, dst, plan, what: str = "") -> None:
+    print(f"source {args.src} ({len(src.ranks)} ranks) -> destination {args.dst}{what} ({len(dst.ranks)} ranks, "
           f"{'colocated' if args.colocated else 'disaggregated'})")
     print(plan.summary())
-    print(f"plan hash          {plan.hash[:16]}  built in {time.perf_counter() - t0:.3f} s")
+
+
+def _write(args, plan) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.dumps())
         print(f"plan written to {args.out}")
-    return 0
 
 
 def cmd_plan(args) -> int:
@@ -136,9 +144,7 @@ def cmd_plan(args) -> int:
         return cmd_plan_fp8(args)
     src, dst, plan, seconds = _plan(args)
     s = plan.stats
-    print(f"source {args.src} ({len(src.ranks)} ranks) -> destination {args.dst} ({len(dst.ranks)} ranks, "
-          f"{'colocated' if args.colocated else 'disaggregated'})")
-    print(plan.summary())
+    _header(args, src, dst, plan)
     gb = _gather_broadcast_bytes(plan)
     print(f"gather+broadcast   {gb:,} B to destinations ({gb / max(1, s['network_bytes'] + s['local_bytes']):.2f}x this plan's bytes)")
     senders = max(1, sum(1 for v in s["sent_bytes"].values() if v))
@@ -154,10 +160,7 @@ def cmd_plan(args) -> int:
     if args.heatmap:
         _heatmap(plan, args.heatmap)
         print(f"traffic heatmap written to {args.heatmap}")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.dumps())
-        print(f"plan written to {args.out}")
+    _write(args, plan)
     return 0
 
 

@@ -445,19 +445,6 @@ def _chunk_rows(reg: Region, g: int) -> list[tuple[int, int, int, int]]:
     return [(c, max(lo, c * g), min(hi, (c + 1) * g)) for c in range(lo // g, -(-hi // g))]
 
 
-def _global_of(p: Piece, sub: Box) -> Box:
-    """The global box of local box ``sub`` (inside ``p.local``): inverse of :meth:`Piece.local_of`."""
-    if p.box.sizes == p.local.sizes:
-        return Box(tuple(g + s - l for g, s, l in zip(p.box.offsets, sub.offsets, p.local.offsets)), sub.sizes)
-    gdims = [d for d, s in enumerate(p.box.sizes) if s != 1]
-    ldims = [d for d, s in enumerate(p.local.sizes) if s != 1]
-    offs, sizes = list(p.box.offsets), [1] * p.box.ndim
-    for gd, ld in zip(gdims, ldims):
-        offs[gd] = p.box.offsets[gd] + sub.offsets[ld] - p.local.offsets[ld]
-        sizes[gd] = sub.sizes[ld]
-    return Box(tuple(offs), tuple(sizes))
-
-
 def _slab(buf: Buffer, a: int, b: int, name: str) -> Buffer:
     """Rows ``a:b`` of ``buf`` (dim 0) as a buffer of its own."""
     nd = len(buf.shape)
@@ -466,7 +453,7 @@ def _slab(buf: Buffer, a: int, b: int, name: str) -> Buffer:
     for p in buf.pieces:
         inter = p.local.intersect(box)
         if inter is not None:
-            pieces.append(Piece(p.tensor, _global_of(p, inter), Box((inter.offsets[0] - a,) + inter.offsets[1:], inter.sizes)))
+            pieces.append(Piece(p.tensor, p.global_of(inter), Box((inter.offsets[0] - a,) + inter.offsets[1:], inter.sizes)))
     return Buffer(name, box.sizes, buf.dtype, tuple(pieces))
 
 

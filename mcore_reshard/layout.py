@@ -89,6 +89,18 @@ class Piece:
             sizes[ld] = sub.sizes[gd]
         return Box(tuple(offs), tuple(sizes))
 
+    def global_of(self, sub: Box) -> Box:
+        """The global box held at local box ``sub`` (inside ``self.local``): inverse of :meth:`local_of`."""
+        if self.box.sizes == self.local.sizes:
+            return Box(tuple(g + s - l for g, s, l in zip(self.box.offsets, sub.offsets, self.local.offsets)), sub.sizes)
+        gdims = [d for d, s in enumerate(self.box.sizes) if s != 1]
+        ldims = [d for d, s in enumerate(self.local.sizes) if s != 1]
+        offs, sizes = list(self.box.offsets), [1] * self.box.ndim
+        for gd, ld in zip(gdims, ldims):
+            offs[gd] = self.box.offsets[gd] + sub.offsets[ld] - self.local.offsets[ld]
+            sizes[gd] = sub.sizes[ld]
+        return Box(tuple(offs), tuple(sizes))
+
 
 @dataclass(frozen=True)
 class Buffer:

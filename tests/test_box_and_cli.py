@@ -143,3 +143,15 @@ def test_synthetic_parser_shares_the_layout_string_grammar():
         parse_parallel("tp=0")
     with pytest.raises(ValueError, match=r"Megatron keys .* not \['vpp'\]"):
         parse_parallel("tp=2,vpp=2")
+
+
+def test_piece_global_of_inverts_local_of():
+    from mcore_reshard.box import Box
+    from mcore_reshard.layout import Piece
+    # an expert's [I, H] rows placed at slot 3 of a stacked [E, I, H] buffer (size-1 dim squeezed)
+    p = Piece("gate", Box((4, 0), (8, 6)), Box((3, 0, 0), (1, 8, 6)))
+    sub = Box((6, 2), (2, 3))
+    assert p.local_of(sub) == Box((3, 2, 2), (1, 2, 3))
+    assert p.global_of(p.local_of(sub)) == sub
+    q = Piece("w", Box((10, 0), (4, 4)), Box((2, 0), (4, 4)))       # same shape: a shift
+    assert q.global_of(Box((3, 1), (1, 2))) == Box((11, 1), (1, 2))
