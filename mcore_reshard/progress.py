@@ -1,8 +1,7 @@
 """Progress bars for long CLI work (``tqdm`` on stderr), and the switch that controls them.
 
 ``mode`` is ``"auto"`` (bars only when stderr is a terminal), ``"always"`` or ``"never"``; the CLI
-sets it from ``--progress`` (or ``MCORE_RESHARD_PROGRESS``).  Library code takes an optional
-``progress`` callback instead of drawing anything itself; :func:`callback` turns a bar into one.
+sets it from ``--progress`` (or ``MCORE_RESHARD_PROGRESS``); launched ranks inherit it.
 
 Example::
 
@@ -13,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Iterable
+from typing import Iterable
 
 from tqdm import tqdm
 
@@ -40,16 +39,6 @@ def bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str
     """A tqdm bar on stderr, drawn only when :func:`enabled` (a disabled bar still counts)."""
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, unit_scale=unit_scale,
                 file=sys.stderr, disable=not enabled(), dynamic_ncols=True, mininterval=0.2)
-
-
-def callback(b: tqdm) -> Callable[[str, int, int], None]:
-    """``progress(stage, done, total)`` for library functions, drawn on bar ``b``."""
-    def progress(stage: str, done: int, total: int) -> None:
-        if b.total != total or b.desc != stage:
-            b.reset(total=total)
-            b.set_description_str(stage, refresh=False)
-        b.update(done - b.n)    # tqdm redraws at most every mininterval
-    return progress
 
 
 class Steps:
@@ -81,4 +70,4 @@ class Steps:
         self.close()
 
 
-__all__ = ["MODES", "Steps", "bar", "callback", "enabled", "set_mode"]
+__all__ = ["MODES", "Steps", "bar", "enabled", "set_mode"]
