@@ -18,6 +18,7 @@ import sys
 import time
 
 from mcore_reshard import bench
+from mcore_reshard.memstat import peak_bytes, reset_peak, rss_bytes
 from mcore_reshard.planner import make_plan
 from mcore_reshard.targets import dsv3_671b
 
@@ -27,13 +28,12 @@ t0 = time.perf_counter()
 src, dst = bench.CONFIGS[name].build(dsv3_671b())
 layout_s = time.perf_counter() - t0
 gc.collect()
-rss0 = bench._rss_kb()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
+rss0 = rss_bytes()
+reset_peak()
 c0, w0 = time.process_time(), time.perf_counter()
 plan = make_plan(src, dst, budget_bytes=budget, ignore_unused=True)
 plan_s, plan_cpu = time.perf_counter() - w0, time.process_time() - c0
-mem = (bench._hwm_kb() - rss0) * 1024
+mem = peak_bytes() - rss0
 stage, ss, sr, staged = {}, {}, {}, {}
 for m in plan.messages:
     for key, d in (((m.round, m.src), ss), ((m.round, m.dst), sr)):

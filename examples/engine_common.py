@@ -26,6 +26,16 @@ def cannot_run(engine_module: str, script: str) -> str | None:
     return None
 
 
+def main(argv, parse, run, engine_module: str, script: str) -> int:
+    """An example's entry point: parse the options, then run it, or say why it cannot run here."""
+    args = parse(argv)
+    why = cannot_run(engine_module, script)
+    if why:
+        print(why)
+        return 0
+    return run(args)
+
+
 def trainer(args):
     """Join the trainer's own NCCL world and load the policy: ``(rank, T, plan_kw, src, tensors)``.
 

@@ -30,7 +30,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_common import cannot_run, common_args, optimizer_step, trainer  # noqa: E402
+from engine_common import common_args, optimizer_step, trainer  # noqa: E402
+from engine_common import main as run_example  # noqa: E402
 
 
 def parse(argv=None):
@@ -92,12 +93,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    why = cannot_run("sglang", "sglang_refit.py")
-    if why:
-        print(why)
-        return 0
-    return run(args)
+    return run_example(argv, parse, run, "sglang", "sglang_refit.py")
 
 
 if __name__ == "__main__":

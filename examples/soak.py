@@ -26,16 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mcore_reshard.demo import build_layouts, world_needed  # noqa: E402
 from mcore_reshard.executor import Resharder, digest_of  # noqa: E402
 from mcore_reshard.launch import spawn  # noqa: E402
+from mcore_reshard.memstat import status_kb  # noqa: E402
 from mcore_reshard.planner import make_plan  # noqa: E402
 from mcore_reshard.synthetic import materialize  # noqa: E402
-
-
-def rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
 
 
 def soak_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: bool, steps: int, budget: int,
@@ -77,7 +70,7 @@ def soak_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: 
         st = r.state()
         if st["version"] != step or st["interrupted"] or any(v != step for v in st["buffers"].values()):
             bad_versions.append(step)
-        rss.append(rss_kb())
+        rss.append(status_kb("VmRSS"))
     w = min(warmup, steps - 1)
     return {"rank": rank, "steps": steps, "dst_buffers": len(D), "mismatched_steps": bad_steps,
             "bad_versions": bad_versions, "src_changed": src_changed,

@@ -43,6 +43,7 @@ from typing import Callable
 
 from . import costmodel
 from .layout import Layout, itemsize
+from .memstat import peak_bytes, reset_peak, rss_bytes
 
 DEFAULT_OUT = "benchmarks"
 NODE = 8    # GPUs per node for the pictures' aggregation
@@ -303,22 +304,6 @@ def traffic_matrix(plan, group: int) -> list[list[int]]:
     return mat
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
-
-
-def _hwm_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return -1
-
-
 def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss", partial: str | None = None) -> dict:
     """Build, analyse, plan and cost one configuration in this process (JSON-able result).
     ``partial``: a file to write the pre-planning numbers to (layouts, lower bound, baseline)."""
@@ -353,12 +338,7 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
     if partial:     # what is known before planning, in case planning does not finish
         with open(partial, "w") as f:
             json.dump(out, f)
-    rss0, hwm_ok = _rss_kb(), True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        hwm_ok = False
+    rss0, hwm_ok = rss_bytes(), reset_peak()
     if memory == "tracemalloc":
         tracemalloc.start()
     t0 = time.perf_counter()
@@ -367,7 +347,7 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
     if memory == "tracemalloc":
         out["plan_tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    out["plan_rss_peak_added"] = (_hwm_kb() - rss0) * 1024 if hwm_ok else None
+    out["plan_rss_peak_added"] = peak_bytes() - rss0 if hwm_ok else None
     out["plan_memory_mode"] = memory
     # one rank's own part (the busiest rank's): only obtainable from the whole plan, see plan_part
     staged: dict[int, int] = {}

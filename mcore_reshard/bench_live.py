@@ -49,6 +49,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .memstat import peak_bytes, reset_peak, rss_bytes
+
 # Model sizes: DeepSeek-V3 shapes scaled down (MLA, first layer dense, routed + one shared expert,
 # expert bias), experts dominate the parameter count as in the real model.  Parameters counted on
 # the canonical tensors (no MTP).
@@ -106,32 +108,6 @@ def import_test_helpers():
     import mcore_cpu
     import megatron_refit_worker
     return mcore_cpu, megatron_refit_worker
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_bytes() -> int:
-    return _status_kb("VmHWM") * 1024
 
 
 def build_dsv3_scaled(mcore_cpu, d: dict, dtype: torch.dtype) -> list:
@@ -347,24 +323,27 @@ class GatherBroadcast:
 
 # ----------------------------------------------------------------------------------- the worker
 
+def _call(fn, can_peak: bool) -> tuple[float, int]:
+    """One timed call between barriers: (seconds, resident memory it added at its peak; -1 when the
+    peak cannot be reset)."""
+    dist.barrier()
+    before = rss_bytes()
+    reset_peak()
+    t = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t, (max(0, peak_bytes() - before) if can_peak else -1)
+
+
 def _timed(fn, reps: int) -> dict:
     """Warm-up + ``reps`` timed calls between barriers; transient peak memory per call."""
     t0 = time.perf_counter()
     fn()
     dist.barrier()
     warm = time.perf_counter() - t0
-    times, peaks = [], []
     can_peak = reset_peak()
-    for _ in range(reps):
-        dist.barrier()
-        before = rss_bytes()
-        reset_peak()
-        t = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t)
-        peaks.append(max(0, peak_bytes() - before) if can_peak else -1)
-    return {"warmup_s": warm, "times": times, "peak_added": max(peaks) if peaks else -1}
+    runs = [_call(fn, can_peak) for _ in range(reps)]
+    return {"warmup_s": warm, "times": [t for t, _ in runs], "peak_added": max((p for _, p in runs), default=-1)}
 
 
 def _timed_ab(refit, reps: int) -> tuple[dict, dict]:
@@ -385,14 +364,9 @@ def _timed_ab(refit, reps: int) -> tuple[dict, dict]:
     can_peak = reset_peak()
     for i in range(2 * reps):
         overlap = (None, False)[(i + i // 2) % 2]     # A B B A A B B A ...
-        dist.barrier()
-        before = rss_bytes()
-        reset_peak()
-        t = time.perf_counter()
-        call(overlap)
-        dist.barrier()
-        out[overlap]["times"].append(time.perf_counter() - t)
-        out[overlap]["peaks"].append(max(0, peak_bytes() - before) if can_peak else -1)
+        t, peak = _call(lambda: call(overlap), can_peak)
+        out[overlap]["times"].append(t)
+        out[overlap]["peaks"].append(peak)
     res.overlap = None
     for o in out.values():
         o["peak_added"] = max(o.pop("peaks")) if reps else -1
