@@ -17,9 +17,9 @@ import json
 import sys
 import time
 
-from mcore_reshard import bench
-from mcore_reshard.memstat import peak_bytes, reset_peak, rss_bytes
-from mcore_reshard.planner import make_plan
+from mcore_reshard.tools import bench
+from mcore_reshard.tools.memstat import peak_bytes, reset_peak, rss_bytes
+from mcore_reshard.core.planner import make_plan
 from mcore_reshard.targets import dsv3_671b
 
 name = sys.argv[1]

@@ -44,7 +44,7 @@ def trainer(args):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from mcore_reshard.hf_model import read_hf_layout
+    from mcore_reshard.sources.hf_model import read_hf_layout
     dist.init_process_group("nccl")
     rank, T = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

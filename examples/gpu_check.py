@@ -102,7 +102,7 @@ class _Done:
 
 
 def _bit_exact(layout, rank: int, full: dict, got: dict) -> tuple[int, int]:
-    from mcore_reshard.synthetic import materialize
+    from mcore_reshard.tools.synthetic import materialize
     want = materialize(layout, rank, full)
     bad = sum(0 if torch.equal(want[n], got[n].cpu()) else 1 for n in want)
     return bad, len(want)
@@ -110,10 +110,10 @@ def _bit_exact(layout, rank: int, full: dict, got: dict) -> tuple[int, int]:
 
 def worker(rank: int, world: int, scale: int, reps: int, budget: int) -> dict:
     import torch.distributed as dist
-    from mcore_reshard.demo import build_layouts
-    from mcore_reshard.executor import Resharder
-    from mcore_reshard.planner import make_plan
-    from mcore_reshard.synthetic import materialize, reference_tensor
+    from mcore_reshard.tools.demo import build_layouts
+    from mcore_reshard.core.executor import Resharder
+    from mcore_reshard.core.planner import make_plan
+    from mcore_reshard.tools.synthetic import materialize, reference_tensor
     if _DEVICE == "cuda":
         torch.cuda.set_device(0)
     out = {"rank": rank}
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         print("gpu_check.py needs an NVIDIA GPU: torch.cuda.is_available() is False here; nothing was run.",
               file=sys.stderr)
         return 2
-    from mcore_reshard.launch import spawn
+    from mcore_reshard.tools.launch import spawn
     name = torch.cuda.get_device_name(0) if _DEVICE == "cuda" else "cpu (test mode)"
     bw = copy_bandwidth()
     print(f"device             {name}")

@@ -1,15 +1,26 @@
 """mcore-reshard: shard-to-shard resharding of live Megatron-Core weights.
 
-Layers (each importable on its own):
-  box, mesh, layout  -- layout descriptors (what box of which tensor each rank holds)
-  planner            -- pure planning on layouts (no torch.distributed)
-  executor           -- the only torch.distributed user (batched P2P, copy_ into existing storage)
+Subpackages, in layer order (each imports only those above it in this list):
+  core/          layout descriptors (box, mesh, layout, dtensor), planner (pure), executor (torch.distributed)
+  mapper/        source names and fused buffers -> canonical (Hugging Face) tensors, from layouts/*.toml
+  sources/       layouts read from live models: Megatron-Core (or its dims alone), transformers
+  targets/       layouts of inference engines: Hugging Face, vLLM, SGLang (metadata only)
+  fp8/           FP8 in transit: FP8 target layouts, block-owner plans, quantizing executor
+  refit.py       MegatronRefit: read, exchange, map, plan, bind -- the one-call API
+  integrations/  vLLM worker extension, SGLang loader, post-refit hooks, the engine-side protocol
+  tools/         CLI, demo, benchmarks, cost model, launch, progress (never imported by the library)
+See docs/architecture.md.  The flat 0.1 module paths (mcore_reshard.planner, ...) remain as
+deprecated aliases for this release (:mod:`mcore_reshard._compat`).
 """
-from .box import Box
-from .layout import Buffer, Layout, LayoutError, Piece, TensorMeta, stacked
-from .mesh import Mesh, megatron_meshes
-from .planner import Plan, PlanError, make_plan
+from .core.box import Box
+from .core.layout import Buffer, Layout, LayoutError, Piece, TensorMeta, stacked
+from .core.mesh import Mesh, megatron_meshes
+from .core.planner import Plan, PlanError, make_plan
 
 __all__ = ["Box", "Buffer", "Layout", "LayoutError", "Mesh", "Piece", "Plan", "PlanError", "TensorMeta",
            "make_plan", "megatron_meshes", "stacked"]
 __version__ = "0.1.0"
+
+from . import _compat as _compat
+
+_compat.install()

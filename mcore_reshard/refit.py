@@ -24,7 +24,7 @@ for a transformers model) are dropped only with ``ignore_unused=True`` and liste
 FP8 in transit: ``target=(fp8_layout, tensors), quantize=Fp8(block=(128, 128))`` with
 ``fp8_layout = fp8_target(bf16_layout, quantized_tensors(bf16_layout), block)``: BF16 shards are
 quantized per block of the global tensor, each block once, and sent as e4m3 bytes plus fp32 scales
-(:mod:`mcore_reshard.fp8_plan`); ``plan`` is then an ``Fp8Plan`` whose stats hold the assembly,
+(:mod:`mcore_reshard.fp8.plan`); ``plan`` is then an ``Fp8Plan`` whose stats hold the assembly,
 FP8 and the plain BF16 refit's bytes side by side.
 """
 from __future__ import annotations
@@ -34,13 +34,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .executor import ReshardError, Resharder, agree, all_gather_json
-from .family import canonicalize, load_family
-from .fp8_plan import make_fp8_plan
-from .fp8_refit import Fp8Resharder
-from .layout import Layout
-from .megatron_model import family_for, model_config, read_layout
-from .planner import DEFAULT_BUDGET, make_plan
+from .core.executor import ReshardError, Resharder, agree, all_gather_json
+from .mapper.family import canonicalize, load_family
+from .fp8.plan import make_fp8_plan
+from .fp8.refit import Fp8Resharder
+from .core.layout import Layout
+from .sources.megatron_model import family_for, model_config, read_layout
+from .core.planner import DEFAULT_BUDGET, make_plan
 
 ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank",

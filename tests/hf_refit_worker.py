@@ -76,7 +76,7 @@ def megatron_to_hf_digests(ref: dict) -> dict:
 
 
 def hf_scenarios(rank: int, world: int, cases: list) -> list:
-    from mcore_reshard.hf_model import read_hf_layout
+    from mcore_reshard.sources.hf_model import read_hf_layout
     from mcore_reshard.refit import MegatronRefit
     from transformers import DeepseekV3ForCausalLM
     mcore_cpu.install_cpu_shims()
@@ -101,7 +101,7 @@ def hf_scenarios(rank: int, world: int, cases: list) -> list:
                 layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
             target = read_hf_layout(model, rank)
         else:
-            from mcore_reshard.layout import Layout
+            from mcore_reshard.core.layout import Layout
             target = (Layout(), {})
         refit = MegatronRefit(chunks if is_src else [], group=None, target=target, ignore_unused=True)
         refit.refit()
@@ -173,8 +173,8 @@ def gqa_hf_config(kind: str, cfg, vocab: int):
 
 def hf_gqa_scenarios(rank: int, world: int, cases: list) -> list:
     """Llama (dense GQA) and Qwen3-MoE: Megatron -> live transformers model on rank 0."""
-    from mcore_reshard.hf_model import read_hf_layout
-    from mcore_reshard.layout import Layout
+    from mcore_reshard.sources.hf_model import read_hf_layout
+    from mcore_reshard.core.layout import Layout
     from mcore_reshard.refit import MegatronRefit
     from megatron_refit_worker import reference_full
     mcore_cpu.install_cpu_shims()

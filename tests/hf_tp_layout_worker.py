@@ -1,5 +1,5 @@
 """transformers' own TP / EP sharding of tiny Llama, Qwen3-MoE and DeepSeek-V3 models (no Megatron), read by
-``read_hf_layout`` and compared with boxes written out by hand per style (not by ``mcore_reshard.dtensor``)."""
+``read_hf_layout`` and compared with boxes written out by hand per style (not by ``mcore_reshard.core.dtensor``)."""
 from __future__ import annotations
 
 import torch
@@ -59,7 +59,7 @@ def hand_pieces(style, shape, n: int, r: int) -> list:
 
 def layout_boxes(rank: int, world: int) -> list:
     from transformers.distributed import DistributedConfig
-    from mcore_reshard.hf_model import parallel_styles, read_hf_layout
+    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     out = []
     for kind, ep in (("llama", 1), ("qwen3", 1), ("dsv3", 1), ("dsv3", world)):
         cls, cfg = tiny(kind)

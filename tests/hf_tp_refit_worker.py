@@ -9,7 +9,7 @@ itself also needs ``accelerate``; :func:`pretrained_layouts` checks it gives the
 Reference for every local shard: the Megatron full tensors gathered by the simple attribute path
 (``megatron_refit_worker.reference_full``), renamed and cut to HF tensors by hand here, then sliced
 by torch's own ``distribute_tensor(..., src_data_rank=None)`` with the parameter's mesh and
-placements -- never by ``mcore_reshard.dtensor``'s box arithmetic under test.
+placements -- never by ``mcore_reshard.core.dtensor``'s box arithmetic under test.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def sharded_hf_model(model_cls, hf_cfg, tp: int, ep: int):
 def check_shards(model, ref: dict) -> list[str]:
     """Every local tensor of ``model`` against torch's own slice of the reference: mismatches as text."""
     from torch.distributed.tensor import DTensor, distribute_tensor
-    from mcore_reshard.hf_model import module_tensors
+    from mcore_reshard.sources.hf_model import module_tensors
     bad = []
     for name, t in module_tensors(model).items():
         if "rotary" in name:
@@ -115,7 +115,7 @@ def hf_tp_scenarios(rank: int, world: int, cases: list) -> list:
     """Each case: {"model": gqa|qwen3|dsv3, "src": Megatron sizes, "kw": builder kw, "hf_ep": EP size of the HF model,
     "src_ranks": n}.  With ``src_ranks < world`` only ranks [0, n) hand their Megatron chunks to the refit (the source is
     built with dp slowest, so they hold one whole replica): the HF shards of the other ranks arrive over the network only."""
-    from mcore_reshard.hf_model import parallel_styles, read_hf_layout
+    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     from mcore_reshard.refit import MegatronRefit
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []
@@ -159,7 +159,7 @@ def pretrained_layouts(rank: int, world: int, cases: list) -> list:
     """``from_pretrained(path, distributed_config=...)`` (the documented user path, needs accelerate)
     against the two-step sharding above: the same layout on every rank, and the same logits."""
     from transformers.distributed import DistributedConfig
-    from mcore_reshard.hf_model import read_hf_layout
+    from mcore_reshard.sources.hf_model import read_hf_layout
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []
     for case in cases:

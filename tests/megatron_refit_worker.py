@@ -152,7 +152,7 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
 
 def dtensor_export(rank: int, world: int, cases: list) -> list:
     """Export DTensors and check ``full_tensor()`` against the independent reference digests."""
-    from mcore_reshard.megatron_dtensor import export_dtensors
+    from mcore_reshard.sources.megatron_dtensor import export_dtensors
     mcore_cpu.install_cpu_shims()
     out = []
     for case in cases:
@@ -197,9 +197,9 @@ def hf_dims(chunks) -> dict:
 
 def spec_vs_live(rank: int, world: int, cases: list) -> list:
     """This rank's canonical layout read from a live model vs built from dims and sizes."""
-    from mcore_reshard.family import canonicalize, load_family
-    from mcore_reshard.megatron_model import family_for, model_config, read_layout
-    from mcore_reshard.megatron_spec import ParallelSizes, megatron_layout
+    from mcore_reshard.mapper.family import canonicalize, load_family
+    from mcore_reshard.sources.megatron_model import family_for, model_config, read_layout
+    from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
     mcore_cpu.install_cpu_shims()
     out = []
     for case in cases:

@@ -1,4 +1,4 @@
-"""A launcher for the reliability tests: like ``mcore_reshard.launch.spawn`` (gloo, file
+"""A launcher for the reliability tests: like ``mcore_reshard.tools.launch.spawn`` (gloo, file
 rendezvous, JSON results) but a rank that dies (``os._exit``) or raises does not fail the launch:
 every rank's outcome comes back.  Each child leaves with ``os._exit`` right after reporting, so a
 process group broken on purpose never blocks teardown.
@@ -33,7 +33,7 @@ def _preload() -> list[str]:
             return list(mcore_cpu._FORKSERVER_PRELOAD)
         except Exception:  # noqa: BLE001 - fall back to torch only
             pass
-    return ["torch", "torch.distributed", "mcore_reshard.executor"]
+    return ["torch", "torch.distributed", "mcore_reshard.core.executor"]
 
 
 def _child(rank: int, world: int, init: str, pg_timeout: float, fn, args: tuple, results) -> None:

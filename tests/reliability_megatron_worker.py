@@ -21,7 +21,7 @@ def _params(chunks) -> dict:
 
 def _attempt(build_src, build_dst, **kw) -> list:
     from mcore_reshard.refit import MegatronRefit
-    from mcore_reshard.executor import ReshardError
+    from mcore_reshard.core.executor import ReshardError
     src = build_src()
     dst = build_dst()
     before_src, before_dst = _params(src), _params(dst)
@@ -38,10 +38,10 @@ def _attempt(build_src, build_dst, **kw) -> list:
 
 
 def megatron_refusals(rank: int, world: int) -> dict:
-    from mcore_reshard.box import Box
-    from mcore_reshard.layout import Buffer, Layout, Piece
+    from mcore_reshard.core.box import Box
+    from mcore_reshard.core.layout import Buffer, Layout, Piece
     from mcore_reshard.refit import MegatronRefit
-    from mcore_reshard.executor import ReshardError
+    from mcore_reshard.core.executor import ReshardError
 
     f32 = torch.float32
     out = {}

@@ -14,10 +14,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from mcore_reshard.demo import build_layouts
-from mcore_reshard.executor import ReshardError, Resharder, TransferError, all_gather_json, digest_of
-from mcore_reshard.planner import make_plan
-from mcore_reshard.synthetic import materialize, reference_tensor
+from mcore_reshard.tools.demo import build_layouts
+from mcore_reshard.core.executor import ReshardError, Resharder, TransferError, all_gather_json, digest_of
+from mcore_reshard.core.planner import make_plan
+from mcore_reshard.tools.synthetic import materialize, reference_tensor
 
 # ---------------------------------------------------------------------------------------- helpers
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mcore_reshard.layout import Layout, itemsize
+from mcore_reshard.core.layout import Layout, itemsize
 
 
 def apply_plan(plan, S: dict, D: dict) -> np.ndarray | None:

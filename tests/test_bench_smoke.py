@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from mcore_reshard import bench, costmodel
-from mcore_reshard.box import Box
-from mcore_reshard.layout import Buffer, Layout, Piece
-from mcore_reshard.planner import make_plan
+from mcore_reshard.tools import bench, costmodel
+from mcore_reshard.core.box import Box
+from mcore_reshard.core.layout import Buffer, Layout, Piece
+from mcore_reshard.core.planner import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,7 +135,7 @@ def test_gpu_check_refuses_without_a_gpu():
 def test_live_one_rep_tiny():
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
-    from mcore_reshard.bench_live import run_live
+    from mcore_reshard.tools.bench_live import run_live
     (row,) = run_live(["tiny"], ["TP2 EP2 -> TP1 EP4"], reps=1, timeout=300)
     m = row["methods"]
     ours = m["mcore_reshard"]

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from mcore_reshard.box import Box, split_box, split_sizes, subtract
-from mcore_reshard.cli import main
+from mcore_reshard.core.box import Box, split_box, split_sizes, subtract
+from mcore_reshard.tools.cli import main
 
 
 @st.composite
@@ -59,10 +59,10 @@ def test_split_modes():
 
 
 def test_cli_help_explains_itself():
-    out = subprocess.run([sys.executable, "-m", "mcore_reshard.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "mcore_reshard.tools.cli", "--help"], capture_output=True, text=True, check=True).stdout
     for word in ("demo", "plan", "tp=2,pp=2,ep=2", "bit for bit", "lower bound"):
         assert word in out
-    out = subprocess.run([sys.executable, "-m", "mcore_reshard.cli", "demo", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "mcore_reshard.tools.cli", "demo", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--colocated" in out and "--budget-mib" in out
 
 
@@ -99,7 +99,7 @@ def test_cli_plan_presets_and_engines(capsys):
 
 
 def test_layout_strings():
-    from mcore_reshard import layout_strings
+    from mcore_reshard.tools import layout_strings
     spec = layout_strings.parse("tp=2,pp=16,ep=64")
     # etp defaults to tp: etp*ep*pp = 2048 ranks, so dp is made 64 to fit the experts
     assert spec.engine == "megatron" and layout_strings.megatron_sizes(spec).dp == 64
@@ -115,7 +115,7 @@ def test_layout_strings():
 
 def test_cli_progress_bar_and_plain_lines():
     """--progress always draws a tqdm bar over the plan's steps; never prints one line per step."""
-    cmd = [sys.executable, "-m", "mcore_reshard.cli"]
+    cmd = [sys.executable, "-m", "mcore_reshard.tools.cli"]
     args = ["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2"]
     bar = subprocess.run(cmd + ["--progress", "always"] + args, capture_output=True, text=True, check=True).stderr
     frames = bar.replace("\r", "\n")
@@ -128,7 +128,7 @@ def test_cli_progress_bar_and_plain_lines():
 
 
 def test_cli_bad_layout_is_one_clear_line():
-    cmd = [sys.executable, "-m", "mcore_reshard.cli", "--progress", "never", "plan", "--model", "dsv3-671b",
+    cmd = [sys.executable, "-m", "mcore_reshard.tools.cli", "--progress", "never", "plan", "--model", "dsv3-671b",
            "--src", "tp=1,pp=4,ep=16", "--dst", "vllm:tp=8"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr
@@ -137,7 +137,7 @@ def test_cli_bad_layout_is_one_clear_line():
 
 def test_synthetic_parser_shares_the_layout_string_grammar():
     import pytest
-    from mcore_reshard.synthetic import parse_parallel
+    from mcore_reshard.tools.synthetic import parse_parallel
     assert parse_parallel("tp=2,pp=2,ep=2") == {"tp": 2, "pp": 2, "cp": 1, "ep": 2, "dp": 1, "etp": 2}
     with pytest.raises(ValueError, match="bad size 'tp=0'"):
         parse_parallel("tp=0")
@@ -146,8 +146,8 @@ def test_synthetic_parser_shares_the_layout_string_grammar():
 
 
 def test_piece_global_of_inverts_local_of():
-    from mcore_reshard.box import Box
-    from mcore_reshard.layout import Piece
+    from mcore_reshard.core.box import Box
+    from mcore_reshard.core.layout import Piece
     # an expert's [I, H] rows placed at slot 3 of a stacked [E, I, H] buffer (size-1 dim squeezed)
     p = Piece("gate", Box((4, 0), (8, 6)), Box((3, 0, 0), (1, 8, 6)))
     sub = Box((6, 2), (2, 3))

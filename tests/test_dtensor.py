@@ -10,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from mcore_reshard.dtensor import buffer_for, placements_for
-from mcore_reshard.launch import spawn
-from mcore_reshard.layout import Layout
-from mcore_reshard.mesh import Mesh
-from mcore_reshard.synthetic import materialize
+from mcore_reshard.core.dtensor import buffer_for, placements_for
+from mcore_reshard.tools.launch import spawn
+from mcore_reshard.core.layout import Layout
+from mcore_reshard.core.mesh import Mesh
+from mcore_reshard.tools.synthetic import materialize
 
 
 def torch_local(full: torch.Tensor, mesh_sizes, coord, placements) -> torch.Tensor:
@@ -56,7 +56,7 @@ def test_megatron_fc1_is_a_strided_shard_and_round_trips():
     mesh = Mesh.of({"tp": 2})
     lay = Layout()
     lay.add_tensor("fc1", (8, 3), "float32")
-    from mcore_reshard.dtensor import add_from_placements
+    from mcore_reshard.core.dtensor import add_from_placements
     add_from_placements(lay, "fc1", (8, 3), "float32", [2], {0: (0,), 1: (1,)}, [_StridedShard(0, split_factor=2)])
     # rank 1 holds gate rows 2:4 then up rows 6:8
     assert [(p.box.offsets[0], p.local.offsets[0]) for p in lay.buffers[1]["fc1"].pieces] == [(2, 0), (6, 2)]
@@ -74,7 +74,7 @@ def _dtensor_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from mcore_reshard.dtensor import layout_from_dtensor, to_dtensor, mesh_ranks
+    from mcore_reshard.core.dtensor import layout_from_dtensor, to_dtensor, mesh_ranks
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     assert torch.equal(dm.mesh, mesh_ranks(Mesh.of({"tp": 2, "dp": 2})))
     checked = 0

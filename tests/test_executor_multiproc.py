@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_reshard.launch import spawn
+from mcore_reshard.tools.launch import spawn
 
 import workers
 

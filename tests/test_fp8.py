@@ -11,13 +11,13 @@ from math import prod
 import pytest
 import torch
 
-from mcore_reshard.box import Box
-from mcore_reshard.family import load_family
-from mcore_reshard.fp8_layout import Fp8Rules, fp8_target, scale_shape
-from mcore_reshard.fp8_plan import Fp8Plan, make_fp8_plan, quantized_tensors
-from mcore_reshard.fp8_refit import quantize_into
-from mcore_reshard.layout import Buffer, Layout, LayoutError, Piece, TensorMeta
-from mcore_reshard.megatron_spec import ParallelSizes, megatron_layout
+from mcore_reshard.core.box import Box
+from mcore_reshard.mapper.family import load_family
+from mcore_reshard.fp8.layout import Fp8Rules, fp8_target, scale_shape
+from mcore_reshard.fp8.plan import Fp8Plan, make_fp8_plan, quantized_tensors
+from mcore_reshard.fp8.refit import quantize_into
+from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece, TensorMeta
+from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
 from mcore_reshard.targets import canonical_tensors, dsv3_671b, sglang_layout, vllm_layout
 from mcore_reshard.targets.vllm import experts_w13
 
@@ -110,7 +110,7 @@ def test_unaligned_targets_are_refused_with_the_reason():
 
 
 def test_partial_block_must_end_its_buffer_and_plan_checks_the_block():
-    from mcore_reshard.layout import stacked
+    from mcore_reshard.core.layout import stacked
     lay = Layout()
     lay.add_tensor("kv.weight", (24, 32), "bfloat16")
     lay.add_tensor("q.weight", (32, 32), "bfloat16")
@@ -221,8 +221,8 @@ def test_dsv3_671b_megatron_tp8_to_vllm_tp8_bytes():
     assert s["bf16_network_bytes"] == s["rest_network_bytes"] + 2 * weights == 28_338_413_568
     assert s["network_bytes"] == 16_054_336_000      # 0.567 of the BF16 refit
     # the BF16 comparison is counted, not planned: it matches the planner's own count
-    from mcore_reshard.fp8_layout import bf16_target
-    from mcore_reshard.planner import make_plan
+    from mcore_reshard.fp8.layout import bf16_target
+    from mcore_reshard.core.planner import make_plan
     bf16 = make_plan(src, bf16_target(dst, {n: "bfloat16" for n in plan.quantized}), allow_cast=True)
     assert (s["bf16_network_bytes"], s["bf16_local_bytes"]) == (bf16.stats["network_bytes"], bf16.stats["local_bytes"])
 
@@ -278,7 +278,7 @@ def _synthetic_case(memory=None):
 
 @pytest.mark.multiproc
 def test_live_gloo_refit_bit_identical_to_reference():
-    from mcore_reshard.launch import spawn
+    from mcore_reshard.tools.launch import spawn
     res = spawn(fp8_workers.synthetic_worker, 4, [_synthetic_case(), _synthetic_case(memory=1200)], timeout=300)
     for k in range(2):
         per = [r[k] for r in res]
@@ -301,7 +301,7 @@ def test_live_gloo_refit_bit_identical_to_reference():
 
 
 def test_memory_budget_below_one_unit_is_refused():
-    from mcore_reshard.planner import PlanError
+    from mcore_reshard.core.planner import PlanError
     case = _synthetic_case(memory=1024)
     with pytest.raises(PlanError, match=r"FP8 temporaries of a.weight \(block row 2\) need 1,184 B on rank 2, over "
                        r"the FP8 memory budget of 1,024 B"):
@@ -309,7 +309,7 @@ def test_memory_budget_below_one_unit_is_refused():
 
 
 def test_cli_plan_fp8(capsys):
-    from mcore_reshard.cli import main
+    from mcore_reshard.tools.cli import main
     assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=2,pp=2", "--dst", "vllm:tp=2", "--dtype", "bfloat16",
                  "--fp8", "16"]) == 0
     out = capsys.readouterr().out
@@ -325,7 +325,7 @@ def test_state_of_a_buffer_written_by_several_groups():
     """A target buffer cut into slabs holds version v only when every slab does: a refit stopped
     between two groups leaves it incomplete (None), never reported as the old or the new version."""
     from types import SimpleNamespace
-    from mcore_reshard.fp8_refit import Fp8Resharder
+    from mcore_reshard.fp8.refit import Fp8Resharder
 
     def res(buffers, interrupted=False):
         return SimpleNamespace(state=lambda: {"buffers": buffers, "interrupted": interrupted})

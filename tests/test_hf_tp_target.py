@@ -73,8 +73,8 @@ def _tiny_llama_with_tp_config(plan_override: dict | None = None):
 
 
 def test_plain_parameter_under_a_sharding_style_is_an_error():
-    from mcore_reshard.hf_model import parallel_styles, read_hf_layout
-    from mcore_reshard.layout import LayoutError
+    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
+    from mcore_reshard.core.layout import LayoutError
     model = _tiny_llama_with_tp_config()
     styles = parallel_styles(model)   # transformers' declared plan, resolved per parameter
     assert styles["model.layers.0.self_attn.q_proj.weight"] == "colwise"
@@ -87,8 +87,8 @@ def test_plain_parameter_under_a_sharding_style_is_an_error():
 
 
 def test_unknown_parallel_style_names_the_parameter():
-    from mcore_reshard.hf_model import read_hf_layout
-    from mcore_reshard.layout import LayoutError
+    from mcore_reshard.sources.hf_model import read_hf_layout
+    from mcore_reshard.core.layout import LayoutError
     model = _tiny_llama_with_tp_config({"model.layers.*.mlp.gate_proj": "my_fused_colwise"})
     with pytest.raises(LayoutError, match=r"rank 0: model.layers.0.mlp.gate_proj.weight has transformers parallel style 'my_fused_colwise'"):
         read_hf_layout(model, 0)

@@ -21,14 +21,14 @@ import types
 import pytest
 import torch
 
-from mcore_reshard.executor import ReshardError
+from mcore_reshard.core.executor import ReshardError
 from mcore_reshard.integrations import hooks
 from mcore_reshard.integrations.protocol import (build_layout, check_tensors, join_group, join_refit, layout_spec,
                                                  live_tensors, rank_part)
 from mcore_reshard.integrations.sglang_loader import COMMAND_PREFIX, command, decode, load, session
 from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
-from mcore_reshard.launch import spawn
-from mcore_reshard.synthetic import materialize, reference_tensor
+from mcore_reshard.tools.launch import spawn
+from mcore_reshard.tools.synthetic import materialize, reference_tensor
 from mcore_reshard.targets import canonical_tensors, dsv3_tiny, from_hf_config, hf_layout, sglang_layout, vllm_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Checks of the CPU Megatron-Core harness (tests/mcore_cpu.py) and of mcore_reshard.mesh against
+"""Checks of the CPU Megatron-Core harness (tests/mcore_cpu.py) and of mcore_reshard.core.mesh against
 Megatron-Core's own parallel_state on real gloo process groups.
 
 Each test is one multi-process launch that runs many layouts in turn (init -> build -> forward ->
@@ -383,7 +383,7 @@ def test_world8_forward():
 
 
 # ---------------------------------------------------------------------------------------------
-# mcore_reshard.mesh against parallel_state
+# mcore_reshard.core.mesh against parallel_state
 # ---------------------------------------------------------------------------------------------
 
 MESH_CONFIGS = {
@@ -417,7 +417,7 @@ def _mesh_vs_parallel_state(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mcore_reshard.mesh import megatron_meshes
+    from mcore_reshard.core.mesh import megatron_meshes
 
     problems = []
     for cfg in MESH_CONFIGS[world]:
@@ -464,7 +464,7 @@ def _mesh_vs_parallel_state(rank, world):
 @pytest.mark.parametrize("world", [4, 8])
 def test_mesh_matches_parallel_state(world):
     problems = [p for per_rank in mc.spawn(_mesh_vs_parallel_state, world, timeout=240) for p in per_rank]
-    assert not problems, "mcore_reshard.mesh differs from parallel_state:\n" + "\n".join(problems)
+    assert not problems, "mcore_reshard.core.mesh differs from parallel_state:\n" + "\n".join(problems)
 
 
 def _sweep_rank_generator(rank, world):
@@ -475,7 +475,7 @@ def _sweep_rank_generator(rank, world):
 
     from megatron.core.parallel_state import RankGenerator
 
-    from mcore_reshard.mesh import megatron_meshes
+    from mcore_reshard.core.mesh import megatron_meshes
 
     if rank != 0:
         return []

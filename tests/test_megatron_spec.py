@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_cpu import spawn
-from mcore_reshard.megatron_spec import ParallelSizes, stage_layers
+from mcore_reshard.sources.megatron_spec import ParallelSizes, stage_layers
 
 import megatron_refit_worker
 
@@ -43,7 +43,7 @@ def test_stage_layers():
         [list(range(0, 13)), list(range(13, 29)), list(range(29, 45)), list(range(45, 61))]
     with pytest.raises(ValueError, match="61 layers do not divide over pp=4"):
         stage_layers(61, ParallelSizes(pp=4))
-    from mcore_reshard.layout_strings import megatron_sizes, parse
+    from mcore_reshard.tools.layout_strings import megatron_sizes, parse
     # dp defaults to the smallest value that makes etp*ep*pp divide the world (2*64*16 / (2*16))
     assert megatron_sizes(parse("tp=2,pp=16,ep=64,first=3")) == \
         ParallelSizes(tp=2, pp=16, ep=64, etp=2, dp=64, first_stage_layers=3)

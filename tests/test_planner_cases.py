@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from mcore_reshard.box import Box
-from mcore_reshard.layout import Buffer, Layout, LayoutError, Piece
-from mcore_reshard.mesh import Mesh, MeshError
-from mcore_reshard.planner import PlanError, make_plan
-from mcore_reshard.synthetic import parse_parallel, synthetic_layout, world_size_of, SyntheticModel
+from mcore_reshard.core.box import Box
+from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece
+from mcore_reshard.core.mesh import Mesh, MeshError
+from mcore_reshard.core.planner import PlanError, make_plan
+from mcore_reshard.tools.synthetic import parse_parallel, synthetic_layout, world_size_of, SyntheticModel
 
 from test_planner_properties import check_plan
 
@@ -104,7 +104,7 @@ def test_errors_name_tensor_ranks_and_region():
 
 
 def test_one_rank_part_is_the_whole_plan_restricted_to_that_rank():
-    from mcore_reshard.planner import plan_part, validate_plan
+    from mcore_reshard.core.planner import plan_part, validate_plan
     src = sharded("w", (64, 33), Mesh.of({"tp": 2, "dp": 2}), [("tp", 0)])
     dst = sharded("w", (64, 33), Mesh.of({"tp": 3}, 2), [("tp", 0)], mode="even")
     plan = make_plan(src, dst, budget_bytes=1024)

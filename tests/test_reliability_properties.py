@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from mcore_reshard.executor import torch_dtype
-from mcore_reshard.layout import Buffer, Layout, shard_box, stacked
-from mcore_reshard.mesh import Mesh
-from mcore_reshard.planner import Plan, make_plan, validate_plan
-from mcore_reshard.synthetic import SyntheticModel, materialize, parse_parallel, synthetic_layout, world_size_of
+from mcore_reshard.core.executor import torch_dtype
+from mcore_reshard.core.layout import Buffer, Layout, shard_box, stacked
+from mcore_reshard.core.mesh import Mesh
+from mcore_reshard.core.planner import Plan, make_plan, validate_plan
+from mcore_reshard.tools.synthetic import SyntheticModel, materialize, parse_parallel, synthetic_layout, world_size_of
 
 from sim import apply_plan, brute_lower_bound
 

@@ -30,13 +30,13 @@ import re
 
 import pytest
 
-from mcore_reshard.box import Box
-from mcore_reshard.demo import build_layouts
-from mcore_reshard.layout import Buffer, Layout, LayoutError, Piece, shard_box
-from mcore_reshard.mesh import Mesh, MeshError, megatron_meshes
-from mcore_reshard.planner import Plan, PlanError, make_plan, validate_plan
+from mcore_reshard.core.box import Box
+from mcore_reshard.tools.demo import build_layouts
+from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece, shard_box
+from mcore_reshard.core.mesh import Mesh, MeshError, megatron_meshes
+from mcore_reshard.core.planner import Plan, PlanError, make_plan, validate_plan
 from mcore_reshard.refit import ARCH_KEYS, _one_config, config_diff
-from mcore_reshard.executor import ReshardError
+from mcore_reshard.core.executor import ReshardError
 
 import reliability_workers
 from partial_launch import spawn_ok

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_reshard.demo import build_layouts, demo_worker
-from mcore_reshard.executor import ReshardError, Resharder
-from mcore_reshard.planner import make_plan
-from mcore_reshard.synthetic import materialize, reference_tensor
+from mcore_reshard.tools.demo import build_layouts, demo_worker
+from mcore_reshard.core.executor import ReshardError, Resharder
+from mcore_reshard.core.planner import make_plan
+from mcore_reshard.tools.synthetic import materialize, reference_tensor
 
 
 def scenarios(rank: int, world: int, cases: list) -> list:
@@ -66,7 +66,7 @@ def overlap_paths(rank: int, world: int, cases: list) -> list:
     (direct from / into a contiguous view, staged alone, grouped), the batched path
     (``overlap=False``) and the overlapped path with ``verify``; bit-exact, storage unchanged,
     staging unchanged.  Returns facts per case and path."""
-    import mcore_reshard.executor as ex
+    import mcore_reshard.core.executor as ex
     ex._DIRECT_MIN = 64
     out = []
     for src_spec, dst_spec, colocated, budget in cases:

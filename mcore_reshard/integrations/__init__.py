@@ -2,7 +2,7 @@
 
 * :mod:`.protocol` -- the protocol every side runs: :func:`join_group` (one process group for the
   trainer ranks and the engine workers, next to the engine's own world), :func:`join_refit` (exchange
-  layout parts / specs, plan, bind a :class:`~mcore_reshard.executor.Resharder`), layout specs,
+  layout parts / specs, plan, bind a :class:`~mcore_reshard.core.executor.Resharder`), layout specs,
   :func:`check_tensors` (live parameters against a layout, before anything moves),
   :func:`megatron_source` (the trainer's canonical layout part);
 * :mod:`.hooks` -- per-engine post-refit hooks (MLA absorbed weights, FP8 guard, cache reset);

@@ -19,12 +19,12 @@ Every rank then calls :func:`join_refit` once (collective)::
    or a spec (``{"engine": "vllm", "config": {...}, "kwargs": {...}}``: every rank rebuilds the same
    whole-engine layout from it, so the exchange stays tiny), the plan options, and any error it
    found locally (e.g. parameter names that do not match the layout);
-2. :func:`mcore_reshard.executor.all_gather_json`: every rank sees every payload, in rank order;
+2. :func:`mcore_reshard.core.executor.all_gather_json`: every rank sees every payload, in rank order;
 3. if any rank reported an error, or options differ, *every* rank raises
-   :class:`~mcore_reshard.executor.ReshardError` (nothing has moved);
+   :class:`~mcore_reshard.core.executor.ReshardError` (nothing has moved);
 4. every rank merges the parts and the distinct specs into one source and one destination layout
-   and calls :func:`mcore_reshard.planner.make_plan` with the same options: the same plan everywhere;
-5. every rank constructs :class:`~mcore_reshard.executor.Resharder` (its collective handshake checks
+   and calls :func:`mcore_reshard.core.planner.make_plan` with the same options: the same plan everywhere;
+5. every rank constructs :class:`~mcore_reshard.core.executor.Resharder` (its collective handshake checks
    the plan hash and each rank's tensors once more) and returns it; ``refit()`` then moves the weights
    after every training step, ``copy_`` into existing storage.
 
@@ -48,9 +48,9 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..executor import ReshardError, Resharder, agree, all_gather_json, dtype_name
-from ..layout import Layout, LayoutError
-from ..planner import DEFAULT_BUDGET, make_plan
+from ..core.executor import ReshardError, Resharder, agree, all_gather_json, dtype_name
+from ..core.layout import Layout, LayoutError
+from ..core.planner import DEFAULT_BUDGET, make_plan
 
 ENGINES = ("vllm", "sglang", "hf", "megatron")
 
@@ -137,8 +137,8 @@ def layout_spec(engine: str, config, **kwargs) -> dict:
 
     ``engine``: ``vllm`` (kwargs of :func:`~mcore_reshard.targets.vllm_layout`), ``sglang``
     (:func:`~mcore_reshard.targets.sglang_layout`), ``hf`` (:func:`~mcore_reshard.targets.hf_layout`,
-    ``rank=``), ``megatron`` (:func:`~mcore_reshard.megatron_spec.megatron_layout`: ``sizes`` as a dict
-    of :class:`~mcore_reshard.megatron_spec.ParallelSizes` fields, ``family``, ``dtype``,
+    ``rank=``), ``megatron`` (:func:`~mcore_reshard.sources.megatron_spec.megatron_layout`: ``sizes`` as a dict
+    of :class:`~mcore_reshard.sources.megatron_spec.ParallelSizes` fields, ``family``, ``dtype``,
     ``norm_dtype``, ``rank_offset``).  ``config``: a ModelConfig or its JSON."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; known: {ENGINES}")
@@ -159,7 +159,7 @@ def build_layout(spec: Mapping) -> Layout:
     if engine == "hf":
         return hf_layout(cfg, **kw)
     if engine == "megatron":
-        from ..megatron_spec import ParallelSizes, megatron_layout
+        from ..sources.megatron_spec import ParallelSizes, megatron_layout
         sizes = ParallelSizes(**kw.pop("sizes", {}))
         return megatron_layout(cfg, sizes, **kw)
     raise ValueError(f"unknown engine {engine!r} in layout spec; known: {ENGINES}")
@@ -367,8 +367,8 @@ def megatron_source(chunks, rank: int, *, family: str = "auto", vocab_size: int 
     """The trainer side: this rank's part of a live Megatron-Core model in canonical (HF) tensor
     names, and its tensors (``read_layout`` + ``family.canonicalize``).  ``rank`` is this process's
     rank in the refit group (not necessarily its Megatron rank)."""
-    from ..family import canonicalize, load_family
-    from ..megatron_model import family_for, model_config, read_layout
+    from ..mapper.family import canonicalize, load_family
+    from ..sources.megatron_model import family_for, model_config, read_layout
     layout, tensors = read_layout(chunks, rank)
     config = model_config(chunks)
     if vocab_size is not None:

@@ -39,8 +39,8 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..executor import ReshardError, dtype_name
-from ..planner import DEFAULT_BUDGET
+from ..core.executor import ReshardError, dtype_name
+from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
 from .protocol import (engine_destination, join_group, join_refit, layout_spec, leave_group, live_tensors,
                        timed_refit)

@@ -25,7 +25,7 @@ What ``mcore_reshard_prepare`` checks before anything moves: the worker's live
 ``model_runner.model.named_parameters()`` (runtime names, existing storage; plus the MTP drafter's
 under ``mtp.`` when there is one) must equal, name for name, shape for shape, the buffers
 ``vllm_layout(<the engine's config>)`` gives this rank.  Any mismatch is reported by every rank of
-the group (trainer included) as one :class:`~mcore_reshard.executor.ReshardError`.
+the group (trainer included) as one :class:`~mcore_reshard.core.executor.ReshardError`.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..executor import ReshardError, dtype_name
-from ..planner import DEFAULT_BUDGET
+from ..core.executor import ReshardError, dtype_name
+from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
 from .protocol import (engine_destination, join_group, join_refit, layout_spec, leave_group, live_tensors,
                        timed_refit)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..layout import TensorMeta
+from ..core.layout import TensorMeta
 
 FAMILY_OF_MODEL_TYPE = {
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3",

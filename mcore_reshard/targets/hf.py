@@ -17,8 +17,8 @@ buffers holding ``model.embed_tokens.weight`` / ``lm_head.weight``.
 """
 from __future__ import annotations
 
-from ..box import Box
-from ..layout import Buffer, Layout, Piece
+from ..core.box import Box
+from ..core.layout import Buffer, Layout, Piece
 from .config import ModelConfig, canonical_tensors
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..layout import Layout, LayoutError
+from ..core.layout import Layout, LayoutError
 from .config import ModelConfig
 from .vllm import EngineNames, LayoutBuilder, RankPlan
 

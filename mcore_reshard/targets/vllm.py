@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Sequence
 
-from ..box import Box, split_range
-from ..layout import Buffer, Layout, LayoutError, Piece, stacked
+from ..core.box import Box, split_range
+from ..core.layout import Buffer, Layout, LayoutError, Piece, stacked
 from .config import ModelConfig, canonical_tensors, layer_tensors
 
 VOCAB_PADDING = 64

@@ -86,7 +86,7 @@ def hf_dims(d: dict) -> dict:
 
 
 def param_count(size: str) -> int:
-    from .megatron_spec import ParallelSizes, megatron_layout
+    from ..sources.megatron_spec import ParallelSizes, megatron_layout
     lay = megatron_layout(hf_dims(SIZES[size]), ParallelSizes(), "deepseek_v3", dtype="bfloat16")
     return sum(int(torch.Size(m.shape).numel()) for m in lay.tensors.values())
 
@@ -94,7 +94,7 @@ def param_count(size: str) -> int:
 # ----------------------------------------------------------------------------------- helpers
 
 def tests_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "tests"
+    return Path(__file__).resolve().parents[2] / "tests"
 
 
 def import_test_helpers():
@@ -220,7 +220,7 @@ def _counting_service():
 # ----------------------------------------------------------------------------------- gather + broadcast
 
 class GatherBroadcast:
-    """The baseline: one checkpoint tensor at a time (:func:`mcore_reshard.bench.checkpoint_units`:
+    """The baseline: one checkpoint tensor at a time (:func:`mcore_reshard.tools.bench.checkpoint_units`:
     canonical tensors, stacked experts split per expert and gate/up/down), gather it whole on one
     source rank, broadcast it to every destination rank that needs any of it, copy the needed boxes
     out (collective).
@@ -232,7 +232,7 @@ class GatherBroadcast:
 
     def __init__(self, src_layout, dst_layout, src_tensors: dict, dst_tensors: dict, group=None):
         from .bench import checkpoint_units
-        from .executor import torch_dtype
+        from ..core.executor import torch_dtype
         self.rank = me = dist.get_rank(group)
         self.src_t, self.dst_t = src_tensors, dst_tensors
         self.items = []
@@ -380,7 +380,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     mcore_cpu.install_cpu_shims()
     from megatron.core.resharding.refit import clear_all_caches, swap_model_weights
 
-    from .refit import MegatronRefit
+    from ..refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
     from .progress import bar

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .box import Box, split_range
-from .layout import Buffer, Layout, Piece
-from .mesh import megatron_meshes
+from ..core.box import Box, split_range
+from ..core.layout import Buffer, Layout, Piece
+from ..core.mesh import megatron_meshes
 
 
 def _get(cfg: Any, name: str, default=None):

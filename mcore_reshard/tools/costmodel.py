@@ -1,7 +1,7 @@
 """A link-level cost model of a refit plan: how long would it take on a real GPU cluster?
 
 Pure Python, no torch.  A :class:`Topology` says how ranks map to NVLink domains and how fast each
-GPU's links are; :func:`predict` walks a :class:`~mcore_reshard.planner.Plan` round by round::
+GPU's links are; :func:`predict` walks a :class:`~mcore_reshard.core.planner.Plan` round by round::
 
     round time = max over ranks r of ( max(NIC out_r, NIC in_r) / nic_bw,
                                        max(NVLink out_r, NVLink in_r) / nvlink_bw )   (links overlap)
@@ -235,7 +235,7 @@ def gather_broadcast_time(tensors: Iterable[Mapping], topo: Topology) -> dict:
     receivers span more than one domain), plus one message latency per step.
 
     ``tensors``: dicts with ``nbytes``, ``root``, ``gather`` ({holder rank: bytes sent to root})
-    and ``receivers`` (ranks other than the root), as :func:`mcore_reshard.bench.gather_broadcast`
+    and ``receivers`` (ranks other than the root), as :func:`mcore_reshard.tools.bench.gather_broadcast`
     returns them."""
     nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
     total = gather_s = bcast_s = 0.0

@@ -3,7 +3,7 @@
 Each Megatron global tensor (``sharded_state_dict`` key) lives on one pipeline stage, on the dense
 mesh ``(dp, cp, tp)`` or the expert mesh ``(edp, ep, etp)`` of that stage (DeviceMesh dims
 slowest first).  Its placements are found by matching the layout read from the model
-(:func:`mcore_reshard.dtensor.placements_for`): e.g. an embedding at tp=2 is
+(:func:`mcore_reshard.core.dtensor.placements_for`): e.g. an embedding at tp=2 is
 ``[Replicate(), Replicate(), Shard(0)]``, expert ``linear_fc1`` ``[E, 2I, H]`` at ep=2, etp=2 is
 ``[Replicate(), Shard(0), _StridedShard(1, split_factor=2)]``.  Collective over the world.
 """
@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .dtensor import mesh_ranks, placements_for, to_dtensor
-from .executor import all_gather_json
-from .layout import Layout
+from ..core.dtensor import mesh_ranks, placements_for, to_dtensor
+from ..core.executor import all_gather_json
+from ..core.layout import Layout
 from .megatron_model import read_layout
-from .mesh import megatron_meshes
+from ..core.mesh import megatron_meshes
 
 
 def _sizes(config) -> dict:
@@ -31,7 +31,7 @@ def _sizes(config) -> dict:
 def candidate_meshes(world: int, sizes: dict) -> list:
     """Per pipeline stage, the dense and expert sub-meshes (as :class:`Mesh`, pp removed), then the
     two whole meshes (for tensors every stage holds, e.g. the embedding copy on the last stage)."""
-    from .mesh import Mesh
+    from ..core.mesh import Mesh
     m = megatron_meshes(world, sizes["tp"], sizes["pp"], sizes["cp"], sizes["ep"], sizes["etp"])
     out = []
     for full in (m.dense, m.expert):

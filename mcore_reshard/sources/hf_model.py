@@ -8,7 +8,7 @@ transformers 5 keeps routed experts fused (``mlp.experts.gate_up_proj`` [E, 2I, 
 A whole model: every parameter and persistent buffer is one buffer holding the whole canonical
 tensor.  A model sharded by transformers' plans: every parameter a plan style shards is a DTensor
 over the TP (or EP) mesh, and its box is read from the DTensor's own global shape, mesh
-coordinate and placements (:mod:`mcore_reshard.dtensor`); the parameters the styles leave alone
+coordinate and placements (:mod:`mcore_reshard.core.dtensor`); the parameters the styles leave alone
 (norms, routers, MLA attention in DeepSeek-V3) are whole on every rank.  The model's resolved plan
 is checked against what is found: a parameter whose style is unknown here, or that a sharding style
 names but that is not a DTensor, is an error naming the parameter, its style and the rank.
@@ -28,8 +28,8 @@ import re
 
 import torch
 
-from .box import Box
-from .layout import Buffer, Layout, LayoutError, Piece
+from ..core.box import Box
+from ..core.layout import Buffer, Layout, LayoutError, Piece
 
 # transformers 5.23 ``ALL_PARALLEL_STYLES``, by what a style does to the parameters it names.
 # These replace the parameter by a DTensor (Shard / _StridedShard / Replicate placements):
@@ -89,7 +89,7 @@ def parallel_styles(model: torch.nn.Module) -> dict[str, str]:
 
 def dtensor_buffer(name: str, t, rank: int) -> tuple[Buffer, torch.Tensor]:
     """The buffer this rank holds of DTensor ``t`` (canonical name ``name``), and its local tensor."""
-    from .dtensor import buffer_for   # imports torch.distributed.tensor
+    from ..core.dtensor import buffer_for   # imports torch.distributed.tensor
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     local = t.to_local()
@@ -112,7 +112,7 @@ def dtensor_buffer(name: str, t, rank: int) -> tuple[Buffer, torch.Tensor]:
 def read_hf_layout(model: torch.nn.Module, rank: int, skip: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> tuple[Layout, dict]:
     """This rank's layout of an HF model (canonical names) and its tensors: whole tensors, or this
     rank's shards of the parameters transformers' tensor / expert parallelism turned into DTensors."""
-    from .dtensor import DTensor
+    from ..core.dtensor import DTensor
     styles = parallel_styles(model)
     unknown = sorted((n, s) for n, s in styles.items() if s not in SHARDING_STYLES | HOOK_STYLES)
     if unknown:

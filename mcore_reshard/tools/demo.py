@@ -6,8 +6,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .executor import Resharder
-from .planner import make_plan
+from ..core.executor import Resharder
+from ..core.planner import make_plan
 from .synthetic import SyntheticModel, materialize, parse_parallel, reference_tensor, synthetic_layout, world_size_of
 
 
@@ -35,7 +35,7 @@ def demo_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: 
     src, dst = build_layouts(src_spec, dst_spec, colocated, scale, src_dtype, dst_dtype)
     plan = make_plan(src, dst, budget_bytes=budget, allow_cast=dst_dtype not in (None, src_dtype))
     plan_s = time.perf_counter() - t0
-    from .executor import torch_dtype
+    from ..core.executor import torch_dtype
     sdt = torch_dtype(src_dtype)
     ddt = torch_dtype(dst_dtype or src_dtype)
 

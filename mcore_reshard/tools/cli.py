@@ -45,7 +45,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_config(args):
-    from . import targets
+    from .. import targets
     if args.config:
         with open(args.config) as f:
             return targets.from_hf_config(json.load(f))
@@ -78,7 +78,7 @@ def _gather_broadcast_bytes(plan) -> int:
     need: dict[int, set] = {}
     for c in list(plan.local_copies) + [c for m in plan.messages for c in m.entries]:
         need.setdefault(c.dst, set()).add(c.tensor)
-    from .layout import itemsize
+    from ..core.layout import itemsize
     total = 0
     for r, names in need.items():
         for n in names:
@@ -91,7 +91,7 @@ def _gather_broadcast_bytes(plan) -> int:
 
 
 def _plan(args):
-    from .planner import make_plan
+    from ..core.planner import make_plan
     from .progress import Steps
     synthetic = args.model == "synthetic" and not args.config
     with Steps(3 if synthetic else 4, args.command) as steps:
@@ -107,8 +107,8 @@ def _plan(args):
 
 def cmd_plan_fp8(args) -> int:
     """``plan --fp8 128``: the destination in block-FP8 (scales included), quantized in transit."""
-    from .fp8_layout import fp8_target
-    from .fp8_plan import make_fp8_plan, quantized_tensors
+    from ..fp8.layout import fp8_target
+    from ..fp8.plan import make_fp8_plan, quantized_tensors
     from .progress import Steps
     if args.model == "synthetic" and not args.config:
         raise ValueError("--fp8 needs a model preset or --config (which tensors are quantized is family knowledge)")
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import progress
     if args.progress:
         progress.set_mode(args.progress)
-    from .layout import LayoutError
-    from .planner import PlanError
+    from ..core.layout import LayoutError
+    from ..core.planner import PlanError
     try:
         return args.func(args)
     except (ValueError, LayoutError, PlanError) as e:   # bad input: one clear line, no traceback

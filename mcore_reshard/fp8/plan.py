@@ -1,7 +1,7 @@
 """Quantization plan: BF16 source shards -> block-FP8 target shards (pure: no torch).
 
 ``make_fp8_plan(src, dst, block)`` takes a BF16 (or fp32) source layout and an FP8 target layout
-(:func:`mcore_reshard.fp8_layout.fp8_target`) and decides, for every quantized tensor, which rank
+(:func:`mcore_reshard.fp8.layout.fp8_target`) and decides, for every quantized tensor, which rank
 quantizes which 128x128 block -- each block exactly once -- and how the results travel:
 
 * **ownership**: a block lying wholly inside one source box is quantized by one of that box's
@@ -10,9 +10,9 @@ quantizes which 128x128 block -- each block exactly once -- and how the results 
   first, ties to the lowest rank); a block cut by source boxes is owned by a holder of its largest
   part (a destination first, then least-loaded);
 * **stage A (assembly)**: cut blocks are gathered on their owner into temporary buffers by an
-  ordinary :func:`~mcore_reshard.planner.make_plan` (its network bytes are the assembly cost; the
+  ordinary :func:`~mcore_reshard.core.planner.make_plan` (its network bytes are the assembly cost; the
   owner's own part is a local copy);
-* **quantize** on the owner (executor: :mod:`mcore_reshard.fp8_refit`) into temporary FP8 and
+* **quantize** on the owner (executor: :mod:`mcore_reshard.fp8.refit`) into temporary FP8 and
   fp32-scale buffers, one pair per owned region;
 * **stage B**: an ordinary ``make_plan`` from those temporaries (a "quantized source layout") to the
   target's weight and ``weight_scale_inv`` shards;
@@ -45,10 +45,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .box import Box, split_sizes, subtract
-from .fp8_layout import FP8, SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
-from .layout import Buffer, Layout, Piece, itemsize
-from .planner import ALIGN, DEFAULT_BUDGET, Plan, PlanError, _atoms, _source_index, make_plan
+from ..core.box import Box, split_sizes, subtract
+from .layout import FP8, SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
+from ..core.layout import Buffer, Layout, Piece, itemsize
+from ..core.planner import ALIGN, DEFAULT_BUDGET, Plan, PlanError, _atoms, _source_index, make_plan
 
 FP8_PLAN_VERSION = 2
 
@@ -459,7 +459,7 @@ def _slab(buf: Buffer, a: int, b: int, name: str) -> Buffer:
 
 def _make_groups(src: Layout, dst: Layout, block: tuple[int, int], quantized: set[str], regions: list[Region],
                  memory: int, budget_bytes: int) -> list["Fp8Group"]:
-    from .fp8_layout import _dim_map
+    from .layout import _dim_map
     by_tensor: dict[str, list[Region]] = defaultdict(list)
     for reg in regions:
         by_tensor[reg.tensor].append(reg)
@@ -713,7 +713,7 @@ def _make_groups(src: Layout, dst: Layout, block: tuple[int, int], quantized: se
 def quantized_tensors(layout: Layout, family: str = "deepseek_v3", block: Sequence[int] | None = None) -> set[str]:
     """The tensors of a (BF16, canonical) layout that ``family``'s FP8 checkpoint quantizes
     (``[fp8]`` of ``layouts/<family>.toml``)."""
-    from .family import load_family
+    from ..mapper.family import load_family
     return load_family(family).fp8_rules().quantized(layout.tensors.values(), block)
 
 

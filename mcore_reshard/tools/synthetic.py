@@ -16,9 +16,9 @@ from typing import Mapping
 
 import torch
 
-from .box import Box, split_range
-from .layout import Buffer, Layout, Piece, shard_box, stacked
-from .mesh import Mesh, megatron_meshes
+from ..core.box import Box, split_range
+from ..core.layout import Buffer, Layout, Piece, shard_box, stacked
+from ..core.mesh import Mesh, megatron_meshes
 
 PARALLEL_KEYS = ("tp", "pp", "cp", "ep", "etp", "dp")
 
@@ -26,7 +26,7 @@ PARALLEL_KEYS = ("tp", "pp", "cp", "ep", "etp", "dp")
 def parse_parallel(text: str) -> dict[str, int]:
     """``"tp=2,pp=2,ep=4"`` -> sizes (missing ones are 1; etp defaults to tp, dp to 1).
 
-    The grammar is :func:`mcore_reshard.layout_strings.parse`'s (Megatron strings only)."""
+    The grammar is :func:`mcore_reshard.tools.layout_strings.parse`'s (Megatron strings only)."""
     from .layout_strings import parse
     spec = parse(text)
     bad = sorted(set(spec.sizes) - set(PARALLEL_KEYS))
@@ -165,7 +165,7 @@ def materialize(layout: Layout, rank: int, full: Mapping[str, torch.Tensor], fil
 
     Padding is ``fill`` (None leaves it uninitialised).  ``dtype`` overrides the buffer dtype.
     """
-    from .executor import torch_dtype
+    from ..core.executor import torch_dtype
     out = {}
     for name, buf in sorted(layout.buffers.get(rank, {}).items()):
         dt = dtype or torch_dtype(buf.dtype)

@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
-from .box import Box
-from .layout import Buffer, Layout, LayoutError, Piece
+from ..core.box import Box
+from ..core.layout import Buffer, Layout, LayoutError, Piece
 
 CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "mtp_num_layers",

@@ -6,15 +6,15 @@ Three parts, each reproducible from the command line (``BENCHMARKS.md`` has the 
     mcore-reshard bench --live --sizes 20M,100M,300M     # 4 CPU processes, three methods side by side
     mcore-reshard bench --smoke                          # a small version of both (seconds)
 
-(``python -m mcore_reshard.bench ...`` takes the same options.)
+(``python -m mcore_reshard.tools.bench ...`` takes the same options.)
 
 Full size: every configuration builds the source layout with
-:func:`mcore_reshard.megatron_spec.megatron_layout` and the target with the vLLM / SGLang / Megatron
-layout builders, then calls :func:`mcore_reshard.planner.make_plan` once (whole plan, default
+:func:`mcore_reshard.sources.megatron_spec.megatron_layout` and the target with the vLLM / SGLang / Megatron
+layout builders, then calls :func:`mcore_reshard.core.planner.make_plan` once (whole plan, default
 256 MiB staging budget), each configuration in its own process (``--timeout`` per configuration).
 Reported: bytes moved against the lower bound and against a gather + broadcast baseline computed
 from the same layouts (:func:`gather_broadcast`), max / mean bytes per sending and per receiving
-rank, messages, rounds, plan time and plan memory, and the :mod:`mcore_reshard.costmodel`
+rank, messages, rounds, plan time and plan memory, and the :mod:`mcore_reshard.tools.costmodel`
 predictions next to the published figures.
 
 Gather + broadcast baseline, precisely: the unit is one tensor of the Hugging Face checkpoint
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import costmodel
-from .layout import Layout, itemsize
+from ..core.layout import Layout, itemsize
 from .memstat import peak_bytes, reset_peak, rss_bytes
 
 DEFAULT_OUT = "benchmarks"
@@ -82,14 +82,14 @@ def replicate(layout: Layout, copies: int, stride: int) -> Layout:
 
 
 def _megatron(cfg, **kw) -> Layout:
-    from .megatron_spec import ParallelSizes, megatron_layout
+    from ..sources.megatron_spec import ParallelSizes, megatron_layout
     off = kw.pop("rank_offset", 0)
     return megatron_layout(cfg, ParallelSizes(**kw), "deepseek_v3", dtype="bfloat16", rank_offset=off)
 
 
 def _nemo_rl(ep: bool):
     def build(cfg):
-        from .targets import vllm_layout
+        from ..targets import vllm_layout
         src = _megatron(cfg, tp=1, pp=16, ep=16, etp=1, dp=16, first_stage_layers=3, last_stage_layers=2)
         dst = vllm_layout(cfg, tp=32, dp=8, enable_expert_parallel=ep, rank_offset=256)
         return src, dst
@@ -97,28 +97,28 @@ def _nemo_rl(ep: bool):
 
 
 def _nccl_m2n(cfg):
-    from .targets import vllm_layout
+    from ..targets import vllm_layout
     src = _megatron(cfg, tp=1, pp=4, ep=16, etp=1, dp=32, first_stage_layers=16, last_stage_layers=15)
     dst = vllm_layout(cfg, tp=8, dp=16, enable_expert_parallel=True, rank_offset=128)
     return src, dst
 
 
 def _colocated_sglang(cfg):
-    from .targets import sglang_layout
+    from ..targets import sglang_layout
     src = _megatron(cfg, tp=2, pp=8, ep=32, etp=1, dp=32, first_stage_layers=7, last_stage_layers=6)
     engine = sglang_layout(cfg, tp=8, dp=8, ep=8, enable_dp_attention=True)
     return src, replicate(engine, 64, 8)
 
 
 def _colocated_sglang_ep32(cfg):
-    from .targets import sglang_layout
+    from ..targets import sglang_layout
     src = _megatron(cfg, tp=2, pp=8, ep=32, etp=1, dp=32, first_stage_layers=7, last_stage_layers=6)
     engine = sglang_layout(cfg, tp=32, dp=8, ep=32, enable_dp_attention=True)
     return src, replicate(engine, 16, 32)
 
 
 def _train1024(cfg):
-    from .targets import vllm_layout
+    from ..targets import vllm_layout
     src = _megatron(cfg, tp=2, pp=16, ep=64, etp=1, dp=32, first_stage_layers=3, last_stage_layers=2)
     engine = vllm_layout(cfg, tp=8, dp=32, enable_expert_parallel=True)
     return src, replicate(engine, 4, 256)
@@ -127,7 +127,7 @@ def _train1024(cfg):
 def _small(cfg_name: str):
     """Scaled-down DeepSeek-V3 (the smoke test): same code paths, seconds."""
     def build(cfg):
-        from .targets import vllm_layout
+        from ..targets import vllm_layout
         src = _megatron(cfg, tp=1, pp=4, ep=4, etp=1, dp=4, first_stage_layers=1, last_stage_layers=1)
         dst = vllm_layout(cfg, tp=4, dp=4, enable_expert_parallel=True, rank_offset=16)
         return src, dst
@@ -175,7 +175,7 @@ FULL_SIZE_DEFAULT = ["nccl_m2n", "nemo_rl_ep", "train1024", "colocated_sglang", 
 
 def small_config():
     """DeepSeek-V3 with every width divided down (4 MTP-less layers, 16 experts)."""
-    from .targets import dsv3_671b
+    from ..targets import dsv3_671b
     return dsv3_671b().with_(hidden_size=256, num_hidden_layers=4, vocab_size=1024, num_attention_heads=8,
                              num_key_value_heads=8, intermediate_size=512, n_routed_experts=16,
                              moe_intermediate_size=64, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
@@ -215,7 +215,7 @@ def checkpoint_units(name: str, shape) -> list:
     Hugging Face checkpoint's tensors.  Stacked experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
     ``mlp.experts.down_proj`` ``[E, H, I]``) are ``experts.{e}.gate_proj`` / ``up_proj`` /
     ``down_proj``; everything else is one unit."""
-    from .box import Box
+    from ..core.box import Box
     if name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
         E, I2, H = shape
         return [Box((e, k * (I2 // 2), 0), (1, I2 // 2, H)) for e in range(E) for k in (0, 1)]
@@ -307,8 +307,8 @@ def traffic_matrix(plan, group: int) -> list[list[int]]:
 def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss", partial: str | None = None) -> dict:
     """Build, analyse, plan and cost one configuration in this process (JSON-able result).
     ``partial``: a file to write the pre-planning numbers to (layouts, lower bound, baseline)."""
-    from .planner import make_plan, plan_part
-    from .targets import dsv3_671b
+    from ..core.planner import make_plan, plan_part
+    from ..targets import dsv3_671b
     conf = CONFIGS[name]
     cfg = small_config() if name == "small" else dsv3_671b()
     out: dict = {"name": name, "title": conf.title, "src": conf.src, "dst": conf.dst, "colocated": conf.colocated,
@@ -404,7 +404,7 @@ def _limit_memory(gib: float):
 
 def run_full_size(names: list[str], budget: int, memory: str, timeout: float, log=print,
                   max_mem_gib: float = 0, progress: str | Path | None = None) -> list[dict]:
-    """Each configuration in its own process (``python -m mcore_reshard.bench --in-process``), so
+    """Each configuration in its own process (``python -m mcore_reshard.tools.bench --in-process``), so
     that its memory is measured alone, a slow one is given up after ``timeout`` seconds and one
     that needs more than ``max_mem_gib`` of address space fails (MemoryError) instead of pushing the
     machine into swap (0: no cap).  ``progress``: a JSON file rewritten after every configuration."""
@@ -413,7 +413,7 @@ def run_full_size(names: list[str], budget: int, memory: str, timeout: float, lo
     for name in bar(names, desc="full-size plans", unit="config"):
         with tempfile.TemporaryDirectory(prefix="mcore-bench-") as tmp:
             path = os.path.join(tmp, "out.json")
-            cmd = [sys.executable, "-m", "mcore_reshard.bench", "--full-size", "--configs", name, "--in-process",
+            cmd = [sys.executable, "-m", "mcore_reshard.tools.bench", "--full-size", "--configs", name, "--in-process",
                    "--budget-mib", str(budget / (1 << 20)), "--memory", memory, "--json", path]
             log(f"[bench] {name}: planning ({' '.join(cmd[3:])}) ...")
             t0 = time.perf_counter()
@@ -751,7 +751,7 @@ def _save(path: Path, obj) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mcore_reshard.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mcore_reshard.tools.bench", description=__doc__.split("\n\n")[0])
     _add_args(parser)
     args = parser.parse_args(argv)
     return cmd_bench(args)

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from .layout import Layout
-from .megatron_spec import ParallelSizes, megatron_layout
-from .targets import ModelConfig, hf_layout, sglang_layout, vllm_layout
+from ..core.layout import Layout
+from ..sources.megatron_spec import ParallelSizes, megatron_layout
+from ..targets import ModelConfig, hf_layout, sglang_layout, vllm_layout
 
 ENGINES = ("megatron", "vllm", "sglang", "hf")
 

@@ -10,7 +10,7 @@ it has arrived, and every entry of >= 256 KiB its own operation, sent from a con
 received into a contiguous destination view without staging copies (:meth:`Resharder.overlapped`).
 
 Construction is collective over ``group``: every rank checks its tensors and its part of the plan
-(:func:`mcore_reshard.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
+(:func:`mcore_reshard.core.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
 error text) so that any mismatch makes *every* rank raise the same :class:`ReshardError` before a
 byte moves, instead of leaving peers waiting.
 

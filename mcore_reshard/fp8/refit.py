@@ -1,7 +1,7 @@
-"""Executor of an FP8 plan (:mod:`mcore_reshard.fp8_plan`): BF16 source shards in, block-FP8
+"""Executor of an FP8 plan (:mod:`mcore_reshard.fp8.plan`): BF16 source shards in, block-FP8
 weights and fp32 ``weight_scale_inv`` written into the target's existing tensors.
 
-``Fp8Resharder(plan, src, dst, group)`` is collective (like :class:`~mcore_reshard.executor.Resharder`,
+``Fp8Resharder(plan, src, dst, group)`` is collective (like :class:`~mcore_reshard.core.executor.Resharder`,
 which it drives: one for the unquantized tensors, and per group one for the assembly of cut blocks
 and one for the quantized results).  ``refit()`` runs, group after group::
 
@@ -31,9 +31,9 @@ from typing import Mapping
 
 import torch
 
-from .executor import ReshardError, Resharder, agree, staging_size, torch_dtype
-from .fp8_layout import DEFAULT_BLOCK, FP8_MAX
-from .fp8_plan import Fp8Plan
+from ..core.executor import ReshardError, Resharder, agree, staging_size, torch_dtype
+from .layout import DEFAULT_BLOCK, FP8_MAX
+from .plan import Fp8Plan
 
 _CHUNK_ELEMS = 1 << 22      # fp32 elements of one quantization temporary (16 MiB)
 
@@ -77,11 +77,11 @@ def _pick(tensors: Mapping[str, torch.Tensor], plan, side: str, rank: int) -> di
 
 
 class Fp8Resharder:
-    """Binds an :class:`~mcore_reshard.fp8_plan.Fp8Plan` to this rank's tensors (collective).
+    """Binds an :class:`~mcore_reshard.fp8.plan.Fp8Plan` to this rank's tensors (collective).
 
     ``src``: this rank's source buffers (BF16 or fp32); ``dst``: its target buffers of the FP8
     layout (``float8_e4m3fn`` weights, fp32 ``*_scale_inv``, and the unquantized ones).  Options
-    are :class:`~mcore_reshard.executor.Resharder`'s.  ``last_stats`` after a refit: seconds and
+    are :class:`~mcore_reshard.core.executor.Resharder`'s.  ``last_stats`` after a refit: seconds and
     elements this rank quantized."""
 
     def __init__(self, plan: Fp8Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
