@@ -22,7 +22,7 @@ ALIASES = {
     "fp8_layout": "fp8.layout", "fp8_plan": "fp8.plan", "fp8_refit": "fp8.refit",
     "cli": "tools.cli", "demo": "tools.demo", "synthetic": "tools.synthetic", "layout_strings": "tools.layout_strings",
     "costmodel": "tools.costmodel", "progress": "tools.progress", "memstat": "tools.memstat",
-    "launch": "tools.launch", "bench": "tools.bench", "bench_live": "tools.bench_live",
+    "launch": "tools.launch", "bench": "tools.bench", "bench_live": "tools.bench.live",
 }
 _PREFIX = "mcore_reshard."
 
@@ -39,10 +39,12 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         old = spec.name[len(_PREFIX):]
         new = _PREFIX + ALIASES[old]
         warnings.warn(f"{spec.name} is deprecated: import {new}", DeprecationWarning, stacklevel=3)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        spec.loader_state = module.__spec__     # the import system overwrites __spec__ next: put it back
+        return module
 
     def exec_module(self, module):
-        pass
+        module.__spec__ = module.__spec__.loader_state if module.__spec__.loader is self else module.__spec__
 
 
 def install() -> None:

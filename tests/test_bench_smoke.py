@@ -135,7 +135,7 @@ def test_gpu_check_refuses_without_a_gpu():
 def test_live_one_rep_tiny():
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
-    from mcore_reshard.tools.bench_live import run_live
+    from mcore_reshard.tools.bench.live import run_live
     (row,) = run_live(["tiny"], ["TP2 EP2 -> TP1 EP4"], reps=1, timeout=300)
     m = row["methods"]
     ours = m["mcore_reshard"]
@@ -144,5 +144,8 @@ def test_live_one_rep_tiny():
     # as shipped, megatron.core.resharding 0.19.2 maps SequentialMLP experts by local index
     assert "bit_exact" in m["megatron_resharding_unpatched"] or "error" in m["megatron_resharding_unpatched"]
     assert m["gather_broadcast"]["bytes"] > ours["bytes"]
+    # the floor moves the plan's network bytes, one message per (sender, receiver) pair
+    assert m["floor"]["bytes"] == ours["bytes"] and 0 < m["floor"]["messages"] <= ours["messages"]
     assert all(e["median_s"] > 0 for e in m.values() if "median_s" in e)
-    assert "| tiny" in bench.markdown_live([row])
+    table = bench.markdown_live([row])
+    assert "| tiny" in table and "| floor |" in table and "n/a (bare transport)" in table

@@ -235,7 +235,7 @@ def gather_broadcast_time(tensors: Iterable[Mapping], topo: Topology) -> dict:
     receivers span more than one domain), plus one message latency per step.
 
     ``tensors``: dicts with ``nbytes``, ``root``, ``gather`` ({holder rank: bytes sent to root})
-    and ``receivers`` (ranks other than the root), as :func:`mcore_reshard.tools.bench.gather_broadcast`
+    and ``receivers`` (ranks other than the root), as :func:`mcore_reshard.tools.bench.baselines.gather_broadcast`
     returns them."""
     nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
     total = gather_s = bcast_s = 0.0

@@ -28,6 +28,11 @@ Methods:
     the wrong experts.  It is run once as shipped (``megatron_resharding_unpatched``: bit-exactness
     only, not timed) and then timed with ``local_experts.<i>`` remapped to the global expert index in
     its resolved names (:func:`patch_sequential_mlp_names`).
+``floor``
+    :class:`TransportFloor`: the bare transport moving exactly the plan's bytes between the same
+    pairs: one flat pre-allocated buffer per (sender, receiver) pair, one ``batch_isend_irecv`` of
+    all of them, no packing, no local copies, nothing written into a model.  The ratio
+    ``mcore_reshard / floor`` is what the executor adds on top of the wire.
 ``gather_broadcast``
     :class:`GatherBroadcast`: for every canonical tensor, the holders send their shards to one root
     (the source rank holding most of it), the root broadcasts the full tensor to every destination
@@ -49,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .memstat import peak_bytes, reset_peak, rss_bytes
+from ..memstat import peak_bytes, reset_peak, rss_bytes
 
 # Model sizes: DeepSeek-V3 shapes scaled down (MLA, first layer dense, routed + one shared expert,
 # expert bias), experts dominate the parameter count as in the real model.  Parameters counted on
@@ -73,7 +78,7 @@ CASES = {
     "TP2 EP2 -> TP1 EP4": ({"tp": 2, "ep": 2}, {"tp": 1, "ep": 4, "etp": 1}),
 }
 
-METHODS = ("mcore_reshard", "megatron_resharding", "gather_broadcast")
+METHODS = ("mcore_reshard", "megatron_resharding", "gather_broadcast", "floor")
 
 
 def hf_dims(d: dict) -> dict:
@@ -86,7 +91,7 @@ def hf_dims(d: dict) -> dict:
 
 
 def param_count(size: str) -> int:
-    from ..sources.megatron_spec import ParallelSizes, megatron_layout
+    from ...sources.megatron_spec import ParallelSizes, megatron_layout
     lay = megatron_layout(hf_dims(SIZES[size]), ParallelSizes(), "deepseek_v3", dtype="bfloat16")
     return sum(int(torch.Size(m.shape).numel()) for m in lay.tensors.values())
 
@@ -94,7 +99,7 @@ def param_count(size: str) -> int:
 # ----------------------------------------------------------------------------------- helpers
 
 def tests_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "tests"
+    return Path(__file__).resolve().parents[3] / "tests"
 
 
 def import_test_helpers():
@@ -220,7 +225,7 @@ def _counting_service():
 # ----------------------------------------------------------------------------------- gather + broadcast
 
 class GatherBroadcast:
-    """The baseline: one checkpoint tensor at a time (:func:`mcore_reshard.tools.bench.checkpoint_units`:
+    """The baseline: one checkpoint tensor at a time (:func:`mcore_reshard.tools.bench.baselines.checkpoint_units`:
     canonical tensors, stacked experts split per expert and gate/up/down), gather it whole on one
     source rank, broadcast it to every destination rank that needs any of it, copy the needed boxes
     out (collective).
@@ -231,8 +236,8 @@ class GatherBroadcast:
     """
 
     def __init__(self, src_layout, dst_layout, src_tensors: dict, dst_tensors: dict, group=None):
-        from .bench import checkpoint_units
-        from ..core.executor import torch_dtype
+        from .baselines import checkpoint_units
+        from ...core.executor import torch_dtype
         self.rank = me = dist.get_rank(group)
         self.src_t, self.dst_t = src_tensors, dst_tensors
         self.items = []
@@ -321,6 +326,39 @@ class GatherBroadcast:
             del full
 
 
+# ----------------------------------------------------------------------------------- transport floor
+
+class TransportFloor:
+    """The plan's per-pair byte matrix moved bare: one flat buffer per (sender, receiver) pair
+    (allocated once, outside the timed call), one grouped ``batch_isend_irecv`` (collective).
+
+    Example, a plan with messages 0->2 (3 entries, 8 KiB), 0->2 (next round, 4 KiB), 1->3 (6 KiB):
+    rank 0 sends one 12 KiB buffer to 2, rank 1 one 6 KiB buffer to 3; ranks 2 and 3 receive them.
+    """
+
+    def __init__(self, plan, group=None):
+        self.group = group
+        me = dist.get_rank(group)
+        pairs: dict[tuple[int, int], int] = {}
+        for m in plan.messages:
+            if me in (m.src, m.dst):
+                pairs[(m.src, m.dst)] = pairs.get((m.src, m.dst), 0) + sum(c.nbytes for c in m.entries)
+        self.sends = [(dst, torch.empty(n, dtype=torch.uint8)) for (src, dst), n in sorted(pairs.items()) if src == me]
+        self.recvs = [(src, torch.empty(n, dtype=torch.uint8)) for (src, dst), n in sorted(pairs.items()) if dst == me]
+        self.sent_bytes = sum(b.numel() for _, b in self.sends)
+        self.messages = len(self.sends)
+
+    def run(self) -> None:
+        ops = [dist.P2POp(dist.irecv, b, self._global(src)) for src, b in self.recvs]
+        ops += [dist.P2POp(dist.isend, b, self._global(dst)) for dst, b in self.sends]
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
 # ----------------------------------------------------------------------------------- the worker
 
 def _call(fn, can_peak: bool) -> tuple[float, int]:
@@ -380,10 +418,10 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     mcore_cpu.install_cpu_shims()
     from megatron.core.resharding.refit import clear_all_caches, swap_model_weights
 
-    from ..refit import MegatronRefit
+    from ...refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
-    from .progress import bar
+    from ..progress import bar
     work = bar(total=len(sizes) * len(cases), desc="rank 0 cases", unit="case", leave=False) if rank == 0 else None
     for size in sizes:
         d = SIZES[size]
@@ -402,7 +440,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                    "dst_params_local": sum(p.numel() for c in dst for p in c.parameters())}
             dist.barrier()
             refit = None
-            if "mcore_reshard" in methods or "gather_broadcast" in methods:
+            if {"mcore_reshard", "gather_broadcast", "floor"} & set(methods):
                 t = time.perf_counter()
                 refit = MegatronRefit(src, dst, budget_bytes=budget)
                 res["plan_s"] = time.perf_counter() - t
@@ -455,6 +493,12 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                 res["methods"]["megatron_resharding"] = r
                 clear_all_caches()
                 patch_sequential_mlp_names(False)
+            if "floor" in methods:
+                floor = TransportFloor(refit.plan)
+                r = _timed(floor.run, reps)
+                r.update(sent_bytes=floor.sent_bytes, sent_msgs=floor.messages)
+                res["methods"]["floor"] = r
+                del floor
             if "gather_broadcast" in methods:
                 gb = GatherBroadcast(refit.src_layout, refit.dst_layout, refit.resharder.src, refit.resharder.dst)
                 _zero(dst)
@@ -504,7 +548,7 @@ def aggregate(per_rank: list[list[dict]]) -> list[dict]:
                          staging_bytes=max(x["staging_bytes"] for x in ms))
                 e["peak_added_bytes"] = max(x["peak_added"] + x["staging_bytes"] for x in ms)
                 e["transient_peak_bytes"] = max(x["peak_added"] for x in ms)
-            elif m == "megatron_resharding":
+            elif m in ("megatron_resharding", "floor"):
                 e.update(bytes=sum(x["sent_bytes"] for x in ms), messages=sum(x["sent_msgs"] for x in ms))
             elif m == "gather_broadcast":
                 e.update(bytes=ms[0]["total_bytes"], messages=ms[0]["total_msgs"])
@@ -534,5 +578,5 @@ def run_live(sizes: list[str], cases: list[str] | None = None, reps: int = 5, bu
     return rows
 
 
-__all__ = ["CASES", "GatherBroadcast", "METHODS", "SIZES", "aggregate", "build_dsv3_scaled", "live_worker",
+__all__ = ["CASES", "GatherBroadcast", "TransportFloor", "METHODS", "SIZES", "aggregate", "build_dsv3_scaled", "live_worker",
            "param_count", "patch_sequential_mlp_names", "run_live"]

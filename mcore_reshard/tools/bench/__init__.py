@@ -1,0 +1,41 @@
+"""``mcore-reshard bench``: full-size plans (metadata only), a cost model, pictures, live runs.
+
+Three parts, each reproducible from the command line (``BENCHMARKS.md`` has the results)::
+
+    mcore-reshard bench --full-size                      # DeepSeek-V3 671B plans, 128-1024 ranks
+    mcore-reshard bench --live --sizes 20M,100M,300M     # 4 CPU processes, three methods side by side
+    mcore-reshard bench --smoke                          # a small version of both (seconds)
+
+(``python -m mcore_reshard.tools.bench ...`` takes the same options.)
+
+Modules: :mod:`.configs` (what is benchmarked), :mod:`.baselines` (lower bound, gather + broadcast from
+the layouts), :mod:`.fullsize` (metadata-only plans), :mod:`.live` (4 gloo processes, three methods
+side by side), :mod:`.report` (tables, pictures), :mod:`.cli` (options, driver).
+
+Full size: every configuration builds the source layout with
+:func:`mcore_reshard.sources.megatron_spec.megatron_layout` and the target with the vLLM / SGLang / Megatron
+layout builders, then calls :func:`mcore_reshard.core.planner.make_plan` once (whole plan, default
+256 MiB staging budget), each configuration in its own process (``--timeout`` per configuration).
+Reported: bytes moved against the lower bound and against a gather + broadcast baseline computed
+from the same layouts (:func:`gather_broadcast`), max / mean bytes per sending and per receiving
+rank, messages, rounds, plan time and plan memory, and the :mod:`mcore_reshard.tools.costmodel`
+predictions next to the published figures.
+
+Gather + broadcast baseline, precisely: the unit is one tensor of the Hugging Face checkpoint
+(:func:`checkpoint_units`: a canonical tensor, except that stacked experts count per expert and per
+gate / up / down projection, as the checkpoint stores them).  For every unit, the source rank
+holding the most of it is the *root*; every distinct source box the root lacks is sent to it once
+(by the least-loaded holder); then the root sends the whole unit to every destination rank that
+needs any part of it (other than itself).  Bytes = gathered bytes + unit bytes x receivers.
+(Megatron-Bridge's export all-gathers every TP shard to every TP rank before the broadcast, so it
+moves more than this; NeMo RL's broadcast path sends every tensor to every inference worker.)
+"""
+from .baselines import checkpoint_units, gather_broadcast, lower_bound
+from .cli import add_bench_parser, cmd_bench, main
+from .configs import CONFIGS, FULL_SIZE_DEFAULT, PUBLISHED, FullSizeConfig, small_config
+from .fullsize import run_full_size, run_full_size_config, traffic_matrix
+from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
+
+__all__ = ["CONFIGS", "FULL_SIZE_DEFAULT", "FullSizeConfig", "PUBLISHED", "add_bench_parser", "checkpoint_units",
+           "cmd_bench", "gather_broadcast", "lower_bound", "main", "markdown_full_size", "markdown_live",
+           "plot_full_size", "plot_live", "run_full_size", "run_full_size_config", "small_config", "traffic_matrix"]

@@ -1,0 +1,146 @@
+"""Full-size configurations benchmarked metadata-only (DeepSeek-V3 671B, 128-1024 ranks) and the
+published figures they are compared with."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ...core.layout import Layout
+
+
+DEFAULT_OUT = "benchmarks"
+NODE = 8    # GPUs per node for the pictures' aggregation
+
+PUBLISHED = {
+    "nemo_rl": [("NeMo RL refit, DeepSeek-V3 BF16, H100 (PP16xEP16 -> TP32xDP8)", "2.39-2.83 s"),
+                ("NeMo RL broadcast baseline, same setup", "14.2-15.5 s"),
+                ("NeMo RL on GB200", "1.93-2.59 s")],
+    "nccl_m2n": [("nccl_m2n Reshard, DeepSeek-V3 on 256 GB200, hierarchical", "1.447 s"),
+                 ("nccl_m2n Reshard, same, direct P2P", "3.838 s")],
+}
+
+
+# ----------------------------------------------------------------------------------- configurations
+
+@dataclass
+class FullSizeConfig:
+    name: str
+    title: str
+    src: str                    # description
+    dst: str
+    colocated: bool
+    topology: str               # cost-model preset
+    build: Callable             # (cfg) -> (src Layout, dst Layout)
+    note: str = ""
+    tags: list = field(default_factory=list)
+
+
+def replicate(layout: Layout, copies: int, stride: int) -> Layout:
+    """``copies`` instances of ``layout``, instance i on ranks shifted by ``i * stride``."""
+    out = Layout(dict(layout.tensors), {})
+    for i in range(copies):
+        for r, bufs in layout.buffers.items():
+            out.buffers[r + i * stride] = dict(bufs)
+    return out
+
+
+def _megatron(cfg, **kw) -> Layout:
+    from ...sources.megatron_spec import ParallelSizes, megatron_layout
+    off = kw.pop("rank_offset", 0)
+    return megatron_layout(cfg, ParallelSizes(**kw), "deepseek_v3", dtype="bfloat16", rank_offset=off)
+
+
+def _nemo_rl(ep: bool):
+    def build(cfg):
+        from ...targets import vllm_layout
+        src = _megatron(cfg, tp=1, pp=16, ep=16, etp=1, dp=16, first_stage_layers=3, last_stage_layers=2)
+        dst = vllm_layout(cfg, tp=32, dp=8, enable_expert_parallel=ep, rank_offset=256)
+        return src, dst
+    return build
+
+
+def _nccl_m2n(cfg):
+    from ...targets import vllm_layout
+    src = _megatron(cfg, tp=1, pp=4, ep=16, etp=1, dp=32, first_stage_layers=16, last_stage_layers=15)
+    dst = vllm_layout(cfg, tp=8, dp=16, enable_expert_parallel=True, rank_offset=128)
+    return src, dst
+
+
+def _colocated_sglang(cfg):
+    from ...targets import sglang_layout
+    src = _megatron(cfg, tp=2, pp=8, ep=32, etp=1, dp=32, first_stage_layers=7, last_stage_layers=6)
+    engine = sglang_layout(cfg, tp=8, dp=8, ep=8, enable_dp_attention=True)
+    return src, replicate(engine, 64, 8)
+
+
+def _colocated_sglang_ep32(cfg):
+    from ...targets import sglang_layout
+    src = _megatron(cfg, tp=2, pp=8, ep=32, etp=1, dp=32, first_stage_layers=7, last_stage_layers=6)
+    engine = sglang_layout(cfg, tp=32, dp=8, ep=32, enable_dp_attention=True)
+    return src, replicate(engine, 16, 32)
+
+
+def _train1024(cfg):
+    from ...targets import vllm_layout
+    src = _megatron(cfg, tp=2, pp=16, ep=64, etp=1, dp=32, first_stage_layers=3, last_stage_layers=2)
+    engine = vllm_layout(cfg, tp=8, dp=32, enable_expert_parallel=True)
+    return src, replicate(engine, 4, 256)
+
+
+def _small(cfg_name: str):
+    """Scaled-down DeepSeek-V3 (the smoke test): same code paths, seconds."""
+    def build(cfg):
+        from ...targets import vllm_layout
+        src = _megatron(cfg, tp=1, pp=4, ep=4, etp=1, dp=4, first_stage_layers=1, last_stage_layers=1)
+        dst = vllm_layout(cfg, tp=4, dp=4, enable_expert_parallel=True, rank_offset=16)
+        return src, dst
+    return build
+
+
+CONFIGS = {c.name: c for c in [
+    FullSizeConfig("nccl_m2n", "nccl_m2n's DeepSeek-V3 setup, 128 -> 128 ranks (disaggregated)",
+                   "Megatron tp=1 pp=4 ep=16 etp=1 dp=32 (edp=2), stages 16/15/15/15 layers, ranks 0-127",
+                   "vLLM tp=8 dp=16 enable_expert_parallel (ep=128, 2 experts/rank), ranks 128-255",
+                   False, "gb200_nvl72", _nccl_m2n,
+                   note="nccl_m2n's published run uses 256 GB200 (128 training + 128 inference)"),
+    FullSizeConfig("nemo_rl_ep", "NeMo RL's DeepSeek-V3 setup with vLLM expert parallelism, 256 -> 256 ranks",
+                   "Megatron tp=1 pp=16 ep=16 etp=1 dp=16 (edp=1), stages 3/4x14/2 layers, ranks 0-255",
+                   "vLLM tp=32 dp=8 enable_expert_parallel (ep=256, 1 expert/rank), ranks 256-511",
+                   False, "dgx_h100", _nemo_rl(True)),
+    FullSizeConfig("nemo_rl", "NeMo RL's DeepSeek-V3 setup as published (vLLM TP32 x DP8, no EP), 256 -> 256 ranks",
+                   "Megatron tp=1 pp=16 ep=16 etp=1 dp=16 (edp=1), stages 3/4x14/2 layers, ranks 0-255",
+                   "vLLM tp=32 dp=8, no expert parallelism: every expert TP-sharded 256 ways (I/256 = 8 rows), "
+                   "ranks 256-511", False, "dgx_h100", _nemo_rl(False),
+                   note="NeMo RL's grpo_dapomath17k_dsv3_megatron.yaml: vLLM tensor_parallel_size 32, no EP; "
+                        "11.4M copies (every expert split 256 ways)"),
+    FullSizeConfig("colocated_sglang", "Colocated: training TP2 PP8 EP32 on 512 ranks -> 64 SGLang engines on the same ranks",
+                   "Megatron tp=2 pp=8 ep=32 etp=1 dp=32 (edp=2), stages 7/8x6/6 layers, ranks 0-511",
+                   "64 x SGLang tp=8 dp=8 ep=8 --enable-dp-attention (one engine per 8-GPU node, ranks 8i..8i+7)",
+                   True, "dgx_h100", _colocated_sglang,
+                   note="in BF16 every GPU would hold 188 GB of weights (1/8 of the experts + replicated attention): "
+                        "this engine shape serves DeepSeek-V3 in FP8 on larger GPUs; planned in BF16 as given"),
+    FullSizeConfig("colocated_sglang_ep32", "Colocated, an SGLang shape that fits BF16 on 80 GB: training TP2 PP8 EP32 "
+                   "-> 16 SGLang engines of 32 ranks on the same 512 ranks",
+                   "Megatron tp=2 pp=8 ep=32 etp=1 dp=32 (edp=2), stages 7/8x6/6 layers, ranks 0-511",
+                   "16 x SGLang tp=32 dp=8 ep=32 --enable-dp-attention (attention TP 4; engine k on ranks 32k..32k+31)",
+                   True, "dgx_h100", _colocated_sglang_ep32,
+                   note="~52 GB of BF16 weights per GPU (TP8 EP8 engines would need 188 GB per GPU)"),
+    FullSizeConfig("train1024", "1024-rank training -> 4 vLLM wide-EP replicas on the same ranks",
+                   "Megatron tp=2 pp=16 ep=64 etp=1 dp=32 (edp=1), stages 3/4x14/2 layers, ranks 0-1023",
+                   "4 x vLLM tp=8 dp=32 enable_expert_parallel (ep=256), replica k on ranks 256k..256k+255",
+                   True, "dgx_h100", _train1024),
+    FullSizeConfig("small", "Smoke: DeepSeek-V3 shapes scaled down, 16 -> 16 ranks",
+                   "Megatron tp=1 pp=4 ep=4 etp=1 dp=4, ranks 0-15", "vLLM tp=4 dp=4 EP, ranks 16-31",
+                   False, "dgx_h100", _small("small")),
+]}
+FULL_SIZE_DEFAULT = ["nccl_m2n", "nemo_rl_ep", "train1024", "colocated_sglang", "colocated_sglang_ep32", "nemo_rl"]
+
+
+def small_config():
+    """DeepSeek-V3 with every width divided down (4 MTP-less layers, 16 experts)."""
+    from ...targets import dsv3_671b
+    return dsv3_671b().with_(hidden_size=256, num_hidden_layers=4, vocab_size=1024, num_attention_heads=8,
+                             num_key_value_heads=8, intermediate_size=512, n_routed_experts=16,
+                             moe_intermediate_size=64, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0)
+
