@@ -66,8 +66,8 @@ def overlap_paths(rank: int, world: int, cases: list) -> list:
     (direct from / into a contiguous view, staged alone, grouped), the batched path
     (``overlap=False``) and the overlapped path with ``verify``; bit-exact, storage unchanged,
     staging unchanged.  Returns facts per case and path."""
-    import mcore_reshard.core.executor as ex
-    ex._DIRECT_MIN = 64
+    import mcore_reshard.core.executor.common as ex_common
+    ex_common._DIRECT_MIN = 64
     out = []
     for src_spec, dst_spec, colocated, budget in cases:
         src, dst = build_layouts(src_spec, dst_spec, colocated)

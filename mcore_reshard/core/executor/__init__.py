@@ -1,0 +1,55 @@
+"""Executor: the only package that moves bytes over ``torch.distributed``.
+
+``Resharder(plan, src, dst, group)`` binds a plan to this rank's real tensors once; each
+``refit()`` then moves the bytes: local copies directly, remote ones packed into one flat staging
+buffer per message and exchanged round by round, unpacked with ``copy_`` into the existing
+destination storage (addresses never change).  On NCCL (any backend but gloo) a round is one
+grouped ``batch_isend_irecv`` (pack all, exchange all, unpack all); on gloo it is overlapped:
+receives posted first, each send posted as soon as it is packed, each receive unpacked as soon as
+it has arrived, and every entry of >= 256 KiB its own operation, sent from a contiguous source view /
+received into a contiguous destination view without staging copies (:meth:`Resharder.overlapped`).
+
+Construction is collective over ``group``: every rank checks its tensors and its part of the plan
+(:func:`mcore_reshard.core.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
+error text) so that any mismatch makes *every* rank raise the same :class:`ReshardError` before a
+byte moves, instead of leaving peers waiting.
+
+Failures during a transfer (a peer that dies, stalls or drops the connection) raise
+:class:`TransferError` naming the refit version, the round and the peers, within ``timeout``
+seconds of the round's start on the ranks that wait for the missing peer (gloo's ``wait(timeout)``
+then closes the pairs, so their own peers fail at once).  The destination side records which
+refit version every buffer fully holds (:meth:`Resharder.state`); an interrupted refit is reported
+there, and the next ``refit()`` (after :meth:`Resharder.rebind` to a fresh group when the old one is
+broken) rewrites every buffer.  ``verify=True`` sends a checksum of every copied box with its
+message and checks the received and unpacked bytes against it.
+
+Example (4 ranks, colocated): every rank builds the same plan from the same layouts, then::
+
+    rank | src tensors               | dst tensors
+    0    | {"w": w_tp0}              | {"w": w_full}
+    1    | {"w": w_tp1}              | {}
+    r = Resharder(plan, src, dst, group); r.refit()   # on every rank, after each training step
+    r.state()  # {"version": 1, "interrupted": False, "buffers": {"w": 1}, ...} on rank 0
+
+Units (no cycles; each imports only those above it):
+
+* :mod:`.errors` -- :class:`ReshardError`, :class:`TransferError`, classifying gloo failures;
+* :mod:`.common` -- dtype names, wire constants, the group's device, bounded waits;
+* :mod:`.checksum` -- verify-mode checksums, :func:`digest_of`;
+* :mod:`.handshake` -- :func:`agree`, control messages, :func:`all_gather_json`;
+* :mod:`.validation` -- tensors vs plan, aliasing, the plan's own checks;
+* :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
+* :mod:`.rounds` -- the batched and overlapped round paths;
+* :mod:`.resharder` -- :class:`Resharder`: lifecycle, versions, state, confirmation.
+"""
+from __future__ import annotations
+
+from .binding import staging_size
+from .checksum import digest_of
+from .common import dtype_name, torch_dtype
+from .errors import ReshardError, TransferError
+from .handshake import agree, all_gather_json
+from .resharder import Resharder
+
+__all__ = ["Resharder", "ReshardError", "TransferError", "agree", "all_gather_json", "digest_of", "dtype_name",
+           "staging_size", "torch_dtype"]

@@ -1,0 +1,165 @@
+"""Binding a plan to one rank's tensors: the one staging buffer, the views every round packs from
+and unpacks into, and the stage at which each destination buffer is first / last written."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from ..planner import Plan
+from . import common
+from .common import _CS_BYTES, torch_dtype
+
+
+@dataclass
+class Round:
+    """One round of one rank: its sends and receives, each ``(peer, staging slice, [(staging view,
+    tensor view)], message, parts (:func:`parts`))``, and the peers it sends to / receives from."""
+    sends: list
+    recvs: list
+    send_peers: list = field(default_factory=list)
+    recv_peers: list = field(default_factory=list)
+
+
+@dataclass
+class Binding:
+    """Everything :class:`Resharder.refit` touches, fixed at bind time (addresses never change)."""
+    local: list          # (dst view, src view, copy)
+    padding: list        # (dst view, buffer name)
+    staging: torch.Tensor
+    rounds: list         # Round, in plan-round order (only rounds this rank takes part in)
+    round_numbers: list  # the plan round number of each
+    first_stage: dict    # stage (-1: local copies and padding, i: round i) -> buffers first written there
+    last_stage: dict     # stage -> buffers last written there
+
+
+def per_round(plan: Plan, rank: int) -> dict[int, tuple[list, list]]:
+    """``{plan round: (messages rank sends, messages rank receives)}``."""
+    out: dict[int, tuple[list, list]] = {}
+    for m in plan.messages:
+        if m.src == rank:
+            out.setdefault(m.round, ([], []))[0].append(m)
+        if m.dst == rank:
+            out.setdefault(m.round, ([], []))[1].append(m)
+    return out
+
+
+def staging_size(plan: Plan, rank: int, verify: bool = False) -> int:
+    """Bytes of the one staging buffer a :class:`Resharder` of ``plan`` needs on ``rank``: the most
+    it sends plus receives in any round (+ a checksum per entry with ``verify``).  Resharders that
+    never run at the same time may share one buffer of the largest size (``staging=``), as the
+    FP8 refit's per-group plans do."""
+    trailer = _CS_BYTES if verify else 0
+    return max((sum(m.nbytes + trailer * len(m.entries) for m in sends + recvs)
+                for sends, recvs in per_round(plan, rank).values()), default=0)
+
+
+def staging_view(plan: Plan, staging: torch.Tensor, c) -> torch.Tensor:
+    """The part of a message's staging slice that carries copy ``c``, as its source dtype and box."""
+    dtype = torch_dtype(plan.tensors[c.tensor]["src_dtype"])
+    return staging[c.offset:c.offset + c.nbytes].view(dtype).view(c.src_local.sizes)
+
+
+def parts(m, buf: torch.Tensor, pairs: list, verify: bool) -> list:
+    """How the overlapped path moves message ``m``: ``[(wire tensor, pairs to pack / unpack)]``,
+    one point-to-point operation each, in entry order.  Both ends derive the SAME split from
+    the plan alone (entry sizes), so their operations match one to one: every entry of at
+    least ``_DIRECT_MIN`` bytes is its own operation, consecutive smaller entries share one.
+    Then each end decides alone, from its own tensors, whether an own-operation entry goes
+    straight from the source / into the destination (its view is contiguous, of the staged
+    dtype: wire tensor = the view's bytes, nothing to pack / unpack) or through its staging
+    view as usual.  Staging stays reserved for every entry (staging accounting unchanged;
+    direct entries just leave theirs untouched).  With ``verify`` (checksum trailer) or
+    entries not laid out in order: the whole message as one staged operation."""
+    whole = [(buf, pairs)]
+    if verify or not pairs:
+        return whole
+    at = 0
+    for c in m.entries:
+        if c.offset != at:
+            return whole
+        at += c.nbytes
+    if at != m.nbytes:
+        return whole
+    out, group = [], []
+
+    def flush():
+        if group:
+            lo = group[0][0].offset
+            hi = group[-1][0].offset + group[-1][0].nbytes
+            out.append((buf[lo:hi], [p for _, p in group]))
+            group.clear()
+
+    direct_min = common._DIRECT_MIN
+    for c, (stage, t) in zip(m.entries, pairs):
+        if c.nbytes < direct_min:
+            group.append((c, (stage, t)))
+            continue
+        flush()
+        if t.is_contiguous() and t.dtype == stage.dtype and t.numel() * t.element_size() == c.nbytes:
+            out.append((t.reshape(-1).view(torch.uint8), []))
+        else:
+            out.append((buf[c.offset:c.offset + c.nbytes], [(stage, t)]))
+    flush()
+    return out
+
+
+def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
+         verify: bool, staging: torch.Tensor | None, device: torch.device, dst_names) -> Binding:
+    """Views, staging and stage bookkeeping of ``plan`` on ``rank`` (tensors already validated).
+    ``staging``: a shared uint8 buffer used when large enough; ``dst_names``: this rank's buffers."""
+    local = [(dst[c.dst_buffer][c.dst_local.slices()], src[c.src_buffer][c.src_local.slices()], c)
+             for c in plan.local_copies if c.dst == rank]
+    padding = [(dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == rank]
+    trailer = _CS_BYTES if verify else 0
+    rounds_of = per_round(plan, rank)
+    # ONE staging buffer per rank: in each round its front holds the messages this rank sends,
+    # the rest the messages it receives (the plan keeps send + receive <= budget per round)
+    size = staging_size(plan, rank, verify)
+    if staging is not None and staging.numel() >= size:
+        buffer = staging[:size]
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    rounds: list[Round] = []
+    numbers: list[int] = []
+    # stage at which each destination buffer is first / last written (-1: local copies and padding)
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+
+    def touch(name: str, stage: int) -> None:
+        first.setdefault(name, stage)
+        last[name] = stage
+
+    for _, b in padding:
+        touch(b, -1)
+    for _, _, c in local:
+        touch(c.dst_buffer, -1)
+    for k in sorted(rounds_of):
+        sends, recvs = rounds_of[k]
+        rnd = Round([], [])
+        base = 0
+        for m in sends:
+            n = m.nbytes + trailer * len(m.entries)
+            buf = buffer[base:base + n]
+            pairs = [(staging_view(plan, buf, c), src[c.src_buffer][c.src_local.slices()]) for c in m.entries]
+            rnd.sends.append((m.dst, buf, pairs, m, parts(m, buf, pairs, verify)))
+            base += n
+        for m in recvs:             # right after this round's sends, in the same buffer
+            n = m.nbytes + trailer * len(m.entries)
+            buf = buffer[base:base + n]
+            pairs = [(staging_view(plan, buf, c), dst[c.dst_buffer][c.dst_local.slices()]) for c in m.entries]
+            rnd.recvs.append((m.src, buf, pairs, m, parts(m, buf, pairs, verify)))
+            base += n
+            for c in m.entries:
+                touch(c.dst_buffer, len(rounds))
+        rnd.send_peers = sorted({m.dst for m in sends})
+        rnd.recv_peers = sorted({m.src for m in recvs})
+        rounds.append(rnd)
+        numbers.append(k)
+    for name in dst_names:
+        if name not in first:
+            touch(name, -1)   # buffers nothing writes (empty) are complete after the local stage
+    return Binding(local, padding, buffer, rounds, numbers,
+                   {s: sorted(n for n, f in first.items() if f == s) for s in set(first.values())},
+                   {s: sorted(n for n, l in last.items() if l == s) for s in set(last.values())})

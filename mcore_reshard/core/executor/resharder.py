@@ -1,0 +1,237 @@
+"""The :class:`Resharder`: binds a plan to this rank's tensors once (validation + handshake), then
+each ``refit()`` moves the bytes; keeps versions, interruptions and the group (``rebind``)."""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Mapping
+
+import torch
+
+import torch.distributed as dist
+
+from ..planner import Plan
+from . import rounds as _rounds
+from .binding import bind
+from .checksum import checksum
+from .common import group_device
+from .errors import ReshardError, TransferError
+from .handshake import agree, exchange, step_mismatch
+from .validation import check_binding
+
+
+class Resharder:
+    """Binds ``plan`` to this rank's tensors; ``refit()`` moves the weights (collective).
+
+    ``src``/``dst`` map buffer names to this rank's real tensors (a rank may have either, both or
+    none); they must be exactly the buffers the plan gives this rank.  Source tensors are only read
+    (a destination tensor sharing memory with a source is refused).  ``timeout`` (seconds) bounds
+    the handshake, every round and the final confirmation: a dead or stalled peer makes every rank
+    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout).
+    ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
+    must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
+    ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
+    the same everywhere).  ``staging``: a uint8 tensor to use instead of allocating the staging
+    buffer, when at least :func:`staging_size` bytes (shared by Resharders run one after another).
+    ``overlap``: how a round moves its messages (see :meth:`overlapped`); ``None`` (default): overlapped
+    on gloo, one grouped ``batch_isend_irecv`` per round on every other backend (NCCL).
+    """
+
+    def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                 group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
+                 staging: torch.Tensor | None = None, overlap: bool | None = None):
+        self._shared_staging = staging
+        self.overlap = overlap
+        self.plan = plan
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout_s = None if timeout is None else float(timeout)
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.verify = bool(verify)
+        self.confirm = bool(confirm)
+        self.src = dict(src)
+        self.dst = dict(dst)
+        self.version = 0                   # last refit version confirmed complete
+        self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
+        self._interrupted: dict | None = None
+        self._needs_handshake = False
+        # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
+        # every retry and every refit's confirmation carry it; the bound plan is not to be changed
+        self._digest = plan.hash
+        agree(group, self._digest, self._validate(), options=self._options(), timeout=self.timeout_s)
+        self._bind()
+
+    # ------------------------------------------------------------------ validation and binding
+
+    def _options(self) -> str:
+        return f"verify={int(self.verify)},confirm={int(self.confirm)}"
+
+    def _validate(self) -> list[str]:
+        try:
+            return check_binding(self.plan, self.rank, self.world, self.group, self.src, self.dst, self.overlap)
+        except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
+            return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
+
+    def _bind(self) -> None:
+        b = bind(self.plan, self.rank, self.src, self.dst, verify=self.verify, staging=self._shared_staging,
+                 device=self._device(), dst_names=list(self._buffer_version))
+        self.local, self.padding, self.staging = b.local, b.padding, b.staging
+        self.rounds, self.round_numbers = b.rounds, b.round_numbers
+        self._first_stage, self._last_stage = b.first_stage, b.last_stage
+
+    def _device(self) -> torch.device:
+        for t in list(self.dst.values()) + list(self.src.values()):
+            return t.device
+        return group_device(self.group)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of this rank's one staging buffer (<= the plan's budget, + 16 B per entry when
+        ``verify``): the most this rank stages to send plus receive in any one round."""
+        return self.staging.numel()
+
+    def rebind(self, group=None) -> None:
+        """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke
+        the old one: gloo closes its pairs on a timeout; NCCL communicators must be aborted).
+        Re-runs the construction handshake; staging buffers, views and recorded versions stay."""
+        rank = dist.get_rank(group)
+        errors = []
+        if rank != self.rank:
+            errors.append(f"rank {rank}: this Resharder was bound as rank {self.rank} of its old group; "
+                          "the new group must keep every rank's number")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        errors = errors or self._validate()
+        agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s)
+        self._needs_handshake = False
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict:
+        """What this rank's destination buffers hold (local, no communication)::
+
+            {"version": 3,                # last refit confirmed complete (0: none yet)
+             "interrupted": False,        # the last refit on this rank failed part-way
+             "interrupted_version": None, "failed_round": None, "error": None,
+             "buffers": {"w": 3, ...},    # refit version each destination buffer fully holds
+             "incomplete": []}            # buffers holding no complete version (None above)
+        """
+        info = self._interrupted or {}
+        return {
+            "version": self.version,
+            "interrupted": self._interrupted is not None,
+            "interrupted_version": info.get("version"),
+            "failed_round": info.get("round"),
+            "error": info.get("error"),
+            "buffers": dict(self._buffer_version),
+            "incomplete": sorted(n for n, v in self._buffer_version.items() if v is None),
+        }
+
+    # ------------------------------------------------------------------ refit
+
+    def _stage_begin(self, stage: int) -> None:
+        for name in self._first_stage.get(stage, ()):
+            self._buffer_version[name] = None
+
+    def _stage_end(self, stage: int, version: int) -> None:
+        for name in self._last_stage.get(stage, ()):
+            self._buffer_version[name] = version
+
+    def refit(self, version: int | None = None) -> dict:
+        """Move every byte of the plan once (collective); returns counts (messages and bytes sent by
+        this rank) and the version.
+
+        ``version`` labels what the destination now holds (e.g. the training step); default: last
+        completed version + 1, so a retry after an interrupted refit reuses the interrupted number.
+        After an interruption the next call first re-checks the group (a collective handshake) and
+        then rewrites every destination buffer; if the group is broken it raises at once: call
+        :meth:`rebind` with a fresh group, then ``refit()`` again.
+        """
+        v = self.version + 1 if version is None else int(version)
+        if self._needs_handshake and self.confirm:
+            try:
+                agree(self.group, self._digest, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
+            except ReshardError as e:
+                raise ReshardError(f"rank {self.rank}: cannot retry refit {v}: {e} -- after an interrupted refit on a "
+                                   "broken process group, call rebind(new_group) on every rank first") from e
+            self._needs_handshake = False
+        problems: list[str] = []
+        try:
+            stats = self._transfer(v, problems)
+            if self.confirm:
+                self._confirm(v, problems)
+        except TransferError as e:
+            self._interrupted = {"version": v, "round": e.round, "error": str(e)}
+            self._needs_handshake = True
+            raise
+        except BaseException as e:  # noqa: BLE001 - anything else that stops a refit half-way
+            self._interrupted = {"version": v, "round": None, "error": f"{type(e).__name__}: {e}"}
+            self._needs_handshake = True
+            raise
+        self.version = v
+        self._interrupted = None
+        stats["version"] = v
+        return stats
+
+    def _transfer(self, v: int, problems: list[str]) -> dict:
+        self._stage_begin(-1)
+        for view, _ in self.padding:
+            view.zero_()
+        bad_buffers = set()
+        for d, s, c in self.local:
+            d.copy_(s.reshape(d.shape))
+            if self.verify and d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
+                problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
+                bad_buffers.add(c.dst_buffer)
+        self._stage_end(-1, v)
+        sent = nmsg = 0
+        run_round = _rounds.round_overlapped if self.overlapped() else _rounds.round_batched
+        for i, rnd in enumerate(self.rounds):
+            self._stage_begin(i)
+            run_round(self, v, i, rnd, problems, bad_buffers)
+            self._stage_end(i, v)
+            nmsg += len(rnd.sends)
+            sent += sum(b.numel() for _, b, *_ in rnd.sends)
+        for name in bad_buffers:
+            self._buffer_version[name] = None
+        if problems and not self.confirm:
+            raise TransferError(f"refit {v} on rank {self.rank} failed verification: " + "; ".join(problems[:8]), version=v)
+        return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+
+    def overlapped(self) -> bool:
+        """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.
+
+        ``overlap=None`` (default) chooses by backend: overlapped on gloo, whose ``isend``/``irecv``
+        are independent asynchronous operations (``batch_isend_irecv`` on gloo only posts them one
+        after another), and batched on every other backend: NCCL point-to-point operations must be
+        launched inside one group (one ``batch_isend_irecv``) per round, or two ranks sending to
+        each other can deadlock.  ``overlap=True`` on a non-gloo backend is refused for the same
+        reason (construction and :meth:`rebind` raise).  The environment variable ``MCORE_RESHARD_OVERLAP`` (``0``/``1``) overrides the
+        default choice (benchmarks); an explicit ``overlap`` argument wins over it."""
+        return _rounds.use_overlap(self.group, self.overlap)
+
+    def _confirm(self, v: int, problems: list[str]) -> None:
+        """Every rank reports (version, ok); raise unless every rank landed this version."""
+        t0 = time.monotonic()
+        try:
+            msgs = exchange(self.group, 3, digest=self._digest, version=v, ok=not problems,
+                            text="; ".join(problems[:8]), timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(
+                f"refit {v}: rank {self.rank} finished its rounds but the final confirmation failed after "
+                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): another rank died or stopped part-way; "
+                f"{'this rank: ' + '; '.join(problems[:4]) + '; ' if problems else ''}cause: {type(e).__name__}: {str(e)[:300]}",
+                version=v, round=0) from e
+        step = step_mismatch(msgs, 3)
+        failed = [r for r, m in enumerate(msgs) if not m["ok"]]
+        versions = sorted({m["version"] for m in msgs})
+        if step or failed or len(versions) > 1:
+            text = f"refit {v} did not complete everywhere (rank {self.rank}):"
+            if step:
+                text += " " + step
+            elif failed:
+                text += " " + "; ".join(f"rank {r}: {msgs[r]['text']}" for r in failed)
+            if not step and len(versions) > 1:
+                text += f" ranks refit different versions {versions}"
+            raise TransferError(text, version=v, round=0, peers=failed)
