@@ -1,0 +1,113 @@
+"""Transfer planner: pure computation on layouts (no torch, no torch.distributed).
+
+``make_plan(src, dst)`` answers, for every destination piece, which source rank sends which box,
+and packs those boxes into messages (one per ordered rank pair per staging round) under a hard
+per-rank staging budget.  Every rank can compute the same plan from the same layouts; the plan is
+plain data with a stable hash (:attr:`Plan.hash`).
+
+Guarantees (each raises :class:`PlanError` naming the tensor and region when violated):
+
+* every element of every destination piece is written exactly once;
+* a destination rank that already holds a source copy of an element copies it locally (no message);
+* network bytes equal the lower bound: the elements each destination rank needs and does not hold;
+* among replicas, senders are chosen to balance the bytes each source rank sends.
+
+Example, one ``[4, 2]`` float32 tensor, source tp=2 on ranks 0-1, destination unsharded on ranks
+0 and 2 (rank 0 is colocated)::
+
+    kind  | from -> to | box          | bytes
+    local | 0 -> 0     | [0:2, 0:2]   | 16
+    send  | 1 -> 0     | [2:4, 0:2]   | 16
+    send  | 0 -> 2     | [0:2, 0:2]   | 16
+    send  | 1 -> 2     | [2:4, 0:2]   | 16
+
+Modules: :mod:`.plan` (plan data, JSON, hash), :mod:`.index` (source index, checks),
+:mod:`.matching` (destination pieces against source boxes), :mod:`.senders` (replica choice),
+:mod:`.rounds` (round packing and messages), :mod:`.stats` (per-rank parts, totals),
+:mod:`.validate` (self-consistency of a received plan).  Import from this package.
+"""
+from __future__ import annotations
+
+import gc
+from math import prod
+
+from ..box import Box
+from ..layout import Layout
+from .index import _atoms, _check_tensors, _disjoint, _fmt_ranks, _raise_uncovered, _source_index, _uncovered
+from .matching import local_mapper, match
+from .plan import (ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, _align, _box_json, _copy)
+from .rounds import _pack_rounds
+from .senders import _rebalance, choose_senders
+from .stats import _stats, plan_part, plan_stats
+from .validate import validate_plan
+
+
+def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
+              ignore_unused: bool = False) -> Plan:
+    """Plan the transfer of every destination piece from the source layout.
+
+    ``budget_bytes`` is the hard per-rank staging limit per round: the bytes a rank stages to send
+    plus the bytes it stages to receive in one round never exceed it (the executor allocates one
+    staging buffer per rank of at most this size); larger copies are split.  Raises :class:`PlanError` before anything is planned to move
+    when the layouts disagree (names, shapes, dtypes) or a destination region has no source.
+    """
+    if budget_bytes < 1024:
+        raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
+    # planning allocates millions of small acyclic objects: the cyclic garbage collector would
+    # rescan the (large) layouts many times over for nothing, so it is paused while planning
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ignore_unused: bool) -> Plan:
+    """The plan: matching, sender choice, round packing, buffer metadata and padding, stats."""
+    tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
+    index = _source_index(src)
+    to_local = local_mapper()
+    local, remote, lower_bound = match(src, dst, tensors, index, to_local)
+    copies = choose_senders(remote, budget_bytes, to_local)
+    del remote                          # freed before packing allocates the messages
+    messages, rounds, totals = _pack_rounds(copies, budget_bytes)
+    padding: list[tuple[int, str, Box]] = []
+    buffers = _buffer_meta(src, dst, padding)
+    local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
+    plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
+    plan.stats = _stats(plan, lower_bound, totals)
+    plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
+    return plan
+
+
+def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
+    """``{"src"|"dst": rank -> buffer name -> [shape, dtype]}``, sorted; appends the destination's zero padding."""
+    metas: dict[tuple, list] = {}       # [shape, dtype] lists shared between equal buffers (read-only)
+
+    def side(layout: Layout, pad: bool) -> dict:
+        """rank -> buffer name -> [shape, dtype], sorted; with ``pad``, the zero padding of each buffer."""
+        out = {}
+        for r, bufs in sorted(layout.buffers.items()):
+            metas_r = out[r] = {}
+            for n in sorted(bufs):
+                b = bufs[n]
+                shape = b.shape
+                mkey = (shape, b.dtype)
+                m = metas.get(mkey)
+                if m is None:
+                    m = metas[mkey] = [list(shape), b.dtype]
+                metas_r[n] = m
+                if pad:
+                    ps = b.pieces
+                    if ((len(ps) != 1 or ps[0].local.sizes != shape)
+                            and sum(prod(p.local.sizes) for p in ps) != prod(shape)):
+                        padding.extend((r, b.name, box) for box in b.padding())
+        return out
+
+    return {"src": side(src, False), "dst": side(dst, True)}
+
+
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "make_plan",
+           "plan_part", "plan_stats", "validate_plan"]

@@ -1,0 +1,123 @@
+"""Matching: every destination piece against the source boxes it overlaps -> local copies and remote regions."""
+from __future__ import annotations
+
+from bisect import bisect_left
+from math import prod
+from operator import add, sub
+from typing import Callable
+
+from ..box import unchecked_box
+from ..layout import Layout, Piece, itemsize
+from .index import _raise_uncovered
+from .plan import Copy, _copy
+
+ToLocal = Callable[[Piece, tuple, tuple], tuple]
+
+
+def local_mapper() -> ToLocal:
+    """``to_local(piece, offs, sizes)``: the (offsets, sizes) in ``piece``'s buffer of a sub-box of its global box."""
+    local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
+
+    def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
+        key = id(p)
+        if key in local_maps:
+            delta = local_maps[key]
+        else:
+            delta = local_maps[key] = (tuple(l - g for l, g in zip(p.local.offsets, p.box.offsets))
+                                       if p.box.sizes == p.local.sizes else None)
+        if delta is not None:
+            return tuple(map(add, offs, delta)), sizes
+        b = p.local_of(unchecked_box(offs, sizes))
+        return b.offsets, b.sizes
+    return to_local
+
+
+def _source_windows(index: dict, shared_ranks: bool) -> tuple[dict, list]:
+    """(tensor -> ([(holders, holder ranks)] per source box, shape id), shape id -> bisect window).
+
+    Source boxes of every tensor as plain tuples (offsets, ends), sorted by dim-0 offset, with the
+    dim-0 starts and the longest dim-0 size for a bisect window; tensors whose source boxes are the
+    same (e.g. one per layer) share a shape id, so the geometry of a destination piece against them
+    is computed once and reused for every layer.  Holder ranks (for the local-copy check) are only
+    needed where a rank is in both layouts (``shared_ranks``)."""
+    sources: dict[str, tuple[list, int]] = {}
+    no_ranks: frozenset = frozenset()
+    shape_ids: dict[tuple, int] = {}
+    windows: list[tuple[list, list[int], int]] = []
+    for name, items in index.items():
+        keys = tuple((b.offsets, b.sizes) for b, _ in items)
+        sid = shape_ids.get(keys)
+        if sid is None:
+            sid = shape_ids[keys] = len(windows)
+            windows.append(([(b.offsets, b.ends) for b, _ in items], [b.offsets[0] if b.ndim else 0 for b, _ in items],
+                            max((b.sizes[0] if b.ndim else 1) for b, _ in items)))
+        sources[name] = ([(h, frozenset(x[0] for x in h) if shared_ranks else no_ranks) for _, h in items], sid)
+    return sources, windows
+
+
+def match(src: Layout, dst: Layout, tensors: dict, index: dict, to_local: ToLocal) -> tuple[list[Copy], list[tuple], int]:
+    """(local copies, remote regions, lower bound in bytes) of every destination piece, in destination order.
+
+    A remote region is the tuple (-bytes, tensor, offsets, sizes, dst rank, dst buffer, sequence
+    number, holders, dst piece, itemsize, Box, dst local offsets, dst local sizes, dst local Box):
+    the fields up to the (unique) sequence number are the sender greedy's order, so a plain sort
+    gives it without key tuples.  Raises :class:`PlanError` where no source covers a piece."""
+    sources, windows = _source_windows(index, not set(src.buffers).isdisjoint(dst.buffers))
+    geometry: dict[tuple, tuple[bool, list]] = {}
+
+    def regions_of(key: tuple, dp: Piece) -> tuple[bool, list]:
+        """(whether they cover it, [(source row, offsets, sizes, elements, Box, dst local offsets,
+        dst local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``;
+        ``key`` = (sid, dp's box offsets and sizes, dp's local offsets and sizes)."""
+        sid = key[0]
+        dbox = dp.box
+        spans, first, longest = windows[sid]
+        do, de = dbox.offsets, dbox.ends
+        lo_i, hi_i = (bisect_left(first, do[0] - longest + 1), bisect_left(first, de[0])) if do else (0, len(spans))
+        out, covered = [], 0
+        for k in range(lo_i, hi_i):
+            so, se = spans[k]
+            lo = tuple(map(max, so, do))
+            sizes = tuple(map(sub, map(min, se, de), lo))
+            if sizes and min(sizes) <= 0:
+                continue
+            numel = prod(sizes)
+            covered += numel
+            dlo, dls = to_local(dp, lo, sizes)
+            out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, unchecked_box(dlo, dls)))
+        got = geometry[key] = (covered == prod(dbox.sizes), out)
+        return got
+
+    local: list[Copy] = []
+    remote: list[tuple] = []
+    lower_bound = 0
+    isz_of = {name: itemsize(t["src_dtype"]) for name, t in tensors.items()}
+    append = remote.append
+    for r, bufs in sorted(dst.buffers.items()):
+        for bname in sorted(bufs):
+            for dp in bufs[bname].pieces:
+                tname = dp.tensor
+                isz = isz_of[tname]
+                src_rows = sources.get(tname)
+                dbox, dlocal = dp.box, dp.local
+                if src_rows is None:
+                    if prod(dbox.sizes):
+                        _raise_uncovered(tensors, index, r, bname, dp, [])
+                    continue
+                gkey = (src_rows[1], dbox.offsets, dbox.sizes, dlocal.offsets, dlocal.sizes)
+                got = geometry.get(gkey)
+                complete, regions = got if got is not None else regions_of(gkey, dp)
+                rows = src_rows[0]
+                for k, lo, sizes, numel, rbox, dlo, dls, dlbox in regions:
+                    holders, hranks = rows[k]
+                    if r in hranks:
+                        hr, hb, hp = next(h for h in holders if h[0] == r)
+                        slo, sls = to_local(hp, lo, sizes)
+                        local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
+                    else:
+                        append((-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz, rbox,
+                                dlo, dls, dlbox))
+                        lower_bound += numel * isz
+                if not complete:
+                    _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
+    return local, remote, lower_bound

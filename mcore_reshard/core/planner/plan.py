@@ -1,0 +1,149 @@
+"""Plan data: :class:`Copy`, :class:`Message`, :class:`Plan` (JSON and the sha256 hash), constants."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple
+
+from ..box import Box, unchecked_box
+
+DEFAULT_BUDGET = 256 << 20
+ALIGN = 16  # byte alignment of every entry in a staging buffer
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """The two layouts cannot be reconciled; the message names tensor, ranks, shapes and region."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Copy(NamedTuple):
+    """One box of ``tensor`` from ``src_buffer[src_local]`` on ``src`` to ``dst_buffer[dst_local]`` on ``dst``.
+
+    Immutable, with fields by name like a frozen dataclass; a named tuple because a full-size plan
+    makes ~10^5..10^7 of them and a tuple is several times cheaper to build."""
+    tensor: str
+    box: Box
+    src: int
+    src_buffer: str
+    src_local: Box
+    dst: int
+    dst_buffer: str
+    dst_local: Box
+    nbytes: int          # bytes on the wire (source dtype)
+    offset: int = -1     # byte offset in the message's staging buffer (-1 for local copies)
+
+    def to_json(self) -> list:
+        return [self.tensor, self.box.to_json(), self.src, self.src_buffer, self.src_local.to_json(),
+                self.dst, self.dst_buffer, self.dst_local.to_json(), self.nbytes, self.offset]
+
+    @staticmethod
+    def from_json(o) -> "Copy":
+        if len(o) == 10 and all(isinstance(x, int) for x in (o[2], o[5], o[8], o[9])):
+            return _copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
+        return Copy(o[0], Box.from_json(o[1]), o[2], o[3], Box.from_json(o[4]), o[5], o[6], Box.from_json(o[7]), o[8], o[9])
+
+
+_new = object.__new__
+_setattr = object.__setattr__
+_tuple_new = tuple.__new__
+
+
+def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
+    """``Copy(...)`` without the keyword-argument handling (same object)."""
+    return _tuple_new(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
+
+
+def _box_json(o) -> Box:
+    offs, sizes = tuple(o[0]), tuple(o[1])
+    if len(offs) == len(sizes) and (not sizes or (min(sizes) >= 0 and min(offs) >= 0)):
+        return unchecked_box(offs, sizes)
+    return Box(offs, sizes)     # raises the checked constructor's error
+
+
+@dataclass(frozen=True)
+class Message:
+    round: int
+    src: int
+    dst: int
+    nbytes: int                 # staging bytes (entries aligned to 16 bytes)
+    entries: tuple[Copy, ...]
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "src": self.src, "dst": self.dst, "nbytes": self.nbytes,
+                "entries": [c.to_json() for c in self.entries]}
+
+    @staticmethod
+    def from_json(o) -> "Message":
+        return Message(o["round"], o["src"], o["dst"], o["nbytes"], tuple(Copy.from_json(c) for c in o["entries"]))
+
+
+@dataclass
+class Plan:
+    """Plain-data plan.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
+    real tensors against the plan before anything moves."""
+    tensors: dict[str, dict]                         # name -> {"shape", "src_dtype", "dst_dtype"}
+    buffers: dict[str, dict[int, dict[str, list]]]   # "src"/"dst" -> rank -> name -> [shape, dtype]
+    messages: list[Message]
+    local_copies: list[Copy]
+    padding: list[tuple[int, str, Box]]              # (rank, dst buffer, local region) zero-filled
+    budget_bytes: int
+    rounds: int
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "version": PLAN_VERSION,
+            "tensors": self.tensors,
+            "buffers": {side: {str(r): bufs for r, bufs in sorted(ranks.items())} for side, ranks in self.buffers.items()},
+            "budget_bytes": self.budget_bytes,
+            "rounds": self.rounds,
+            "messages": [m.to_json() for m in self.messages],
+            "local_copies": [c.to_json() for c in self.local_copies],
+            "padding": [[r, b, box.to_json()] for r, b, box in self.padding],
+            "stats": self.stats,
+        }
+
+    @staticmethod
+    def from_json(o: Mapping) -> "Plan":
+        if o.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {o.get('version')} is not {PLAN_VERSION}")
+        return Plan(
+            tensors=dict(o["tensors"]),
+            buffers={side: {int(r): bufs for r, bufs in ranks.items()} for side, ranks in o["buffers"].items()},
+            messages=[Message.from_json(m) for m in o["messages"]],
+            local_copies=[Copy.from_json(c) for c in o["local_copies"]],
+            padding=[(r, b, Box.from_json(box)) for r, b, box in o["padding"]],
+            budget_bytes=o["budget_bytes"], rounds=o["rounds"], stats=dict(o["stats"]))
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical JSON, stats excluded (they hold timings)."""
+        obj = self.to_json()
+        obj.pop("stats")
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.buffers["src"]) | set(self.buffers["dst"]))
+
+    def summary(self) -> str:
+        s = self.stats
+        lines = [
+            f"tensors            {len(self.tensors)}",
+            f"bytes over network {s['network_bytes']:,} (lower bound {s['lower_bound_bytes']:,})",
+            f"bytes copied local {s['local_bytes']:,}",
+            f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
+            f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
+            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
+            f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
+        ]
+        return "\n".join(lines)
+

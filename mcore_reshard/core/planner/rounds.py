@@ -1,0 +1,110 @@
+"""Round packing: copies into rounds under the per-rank staging budget, then one message per (round, src, dst)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from operator import itemgetter
+
+from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
+
+def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, tuple]:
+    """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
+    still have room) into rounds so that, in every round, what a rank stages to send plus
+    what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
+    between the send and the receive part of each round); then one message per (round, src, dst)
+    with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
+    before), and a remote copy's two ranks differ, so a fresh round always has room for it.
+
+    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes,
+    sequence number (unique: ties keep the order given, as a stable sort would), src buffer, src
+    local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box).  Also returns
+    the per-rank totals of :func:`plan_stats` (bytes sent, received, staged per round)."""
+    # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
+    # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
+    # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
+    # extended with ones past its end.  Copies come largest first, so lim only grows; a mask is
+    # recomputed only when lim reaches the least usage among the rounds it leaves out (usage only
+    # grows, so that least usage, kept as a lower bound, never misses a round that gained room).
+    used: dict[int, list[int]] = {}
+    masks: dict[int, list] = {}         # rank -> [lim, mask, least usage of a left-out round]
+    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
+    rounds = 0
+    inf = float("inf")
+
+    def mask_of(r: int, lim: int) -> int:
+        u = used.get(r)
+        if u is None:
+            u = used[r] = []
+        m = masks.get(r)
+        if m is None:
+            m = masks[r] = [lim, 0, inf]
+        elif m[0] != lim:
+            m[0] = lim
+            if lim >= m[2]:
+                m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+                m[2] = min((x for x in u if x > lim), default=inf)
+        return m[1] | (-1 << len(u))
+
+    # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
+    # the lowest round where both ranks have room until one of them is full, then the next such
+    # round (lower rounds never regain room), so a run is placed round by round, as many at once
+    # as fit -- the same rounds as one copy at a time
+    copies.sort()                       # in place: the caller hands the list over
+    srt = copies
+    j, total = 0, len(srt)
+    while j < total:
+        c = srt[j]
+        key0, s, d = c[0], c[1], c[2]
+        end = j + 1
+        while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
+            end += 1
+        n = (-key0 + ALIGN - 1) // ALIGN * ALIGN
+        lim = budget - n
+        while j < end:
+            both = mask_of(s, lim) & mask_of(d, lim)
+            k = (both & -both).bit_length() - 1
+            us, ud = used[s], used[d]
+            room = budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)
+            cnt = min(room // n, end - j)
+            add_n = cnt * n
+            for r, u in ((s, us), (d, ud)):
+                m = masks[r]
+                if len(u) <= k:             # new rounds start empty: room in every one of them
+                    m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                    u.extend([0] * (k + 1 - len(u)))
+                u[k] += add_n
+                if u[k] > lim:
+                    m[1] &= ~(1 << k)
+                    if u[k] < m[2]:
+                        m[2] = u[k]
+            if k >= rounds:
+                rounds = k + 1
+            placed[(k, s, d)].extend(srt[j:j + cnt])
+            j += cnt
+    messages = []
+    entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
+    # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
+    sent: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    stage_send: dict[tuple[int, int], int] = defaultdict(int)
+    stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    for key in sorted(placed):
+        k, s, d = key
+        group = placed[key]
+        if len(group) > 1:
+            group.sort(key=entry_key)
+        entries, off, payload = [], 0, 0
+        add = entries.append
+        for c in group:
+            nb = -c[0]
+            add(_tuple_new(Copy, (c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off)))     # _copy(...) inlined
+            off += (nb + ALIGN - 1) // ALIGN * ALIGN
+            payload += nb
+        m = _new(Message)               # as Message(...) without the frozen dataclass __init__
+        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)})
+        messages.append(m)
+        sent[s] += payload
+        recv[d] += payload
+        stage_send[(k, s)] += off
+        stage_recv[(k, d)] += off
+    return messages, rounds, (sent, recv, stage_send, stage_recv)
+

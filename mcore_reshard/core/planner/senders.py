@@ -1,0 +1,166 @@
+"""Sender choice among replicas (greedy, then :func:`_rebalance`) and the copies of each remote region."""
+from __future__ import annotations
+
+from collections import defaultdict
+from heapq import heapify, heapreplace
+from math import prod
+from operator import sub
+
+from ..box import Box, split_box, unchecked_box
+from ..layout import Piece
+from .matching import ToLocal
+from .plan import ALIGN
+
+
+def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) -> list[tuple]:
+    """The copies of every remote region (see :func:`~.matching.match`), from its chosen sender.
+
+    Senders among replicas: largest region first, to the least-loaded holder (ties: lowest rank),
+    each region's copies made right away (those of a region :func:`_rebalance` moves are remade).
+    Sorts ``remote`` in place.  Copies are tuples (-bytes, src, dst, tensor, offsets, sizes,
+    sequence number, src buffer, src local Box, dst buffer, dst local offsets, dst local sizes, Box,
+    dst local Box), split to fit the budget; Copy objects are made once, at packing, with their
+    staging offset (in greedy order: the sequence number only orders copies that tie on everything
+    before it, so a plain sort is the packing order)."""
+    copies: list[tuple] = []
+    src_boxes: dict[tuple, Box] = {}
+    piece_keys: dict[int, tuple] = {}   # id(source piece) -> what its local box of a sub-box depends on
+    max_bytes: dict[int, int] = {}      # itemsize -> largest copy that fits the budget unsplit
+
+    def copies_of(x: tuple, h: tuple, seq: int) -> list[tuple]:
+        """The copies of region ``x`` sent by holder ``h``, numbered from ``seq`` (split to fit the budget)."""
+        neg, tname, offs, sizes, dr, dbuf, _, _, dpiece, isz, rbox, dlo, dls, dlbox = x
+        sr, sbuf, spiece = h
+        limit = max_bytes.get(isz)
+        if limit is None:
+            limit = max_bytes[isz] = max(1, (budget_bytes - ALIGN) // isz) * isz
+        if -neg <= limit:
+            pk = piece_keys.get(id(spiece))
+            if pk is None:
+                pb, pl = spiece.box, spiece.local
+                pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
+                                               else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+            skey = (id(rbox), pk)       # rbox is shared (and alive) per geometry: same id, same box
+            slbox = src_boxes.get(skey)
+            if slbox is None:
+                slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
+            return [(neg, sr, dr, tname, offs, sizes, seq, sbuf, slbox, dbuf, dlo, dls, rbox, dlbox)]
+        out = []
+        for b in split_box(rbox, limit // isz):
+            so, ss = b.offsets, b.sizes
+            slo, sls = to_local(spiece, so, ss)
+            dlo, dls = to_local(dpiece, so, ss)
+            out.append((-prod(ss) * isz, sr, dr, tname, so, ss, seq + len(out), sbuf, unchecked_box(slo, sls), dbuf,
+                        dlo, dls, b, unchecked_box(dlo, dls)))
+        return out
+
+    load: dict[int, int] = defaultdict(int)
+    remote.sort()
+    chosen: list[tuple[int, str, Piece]] = []      # the sender of remote[p]
+    choose = chosen.append
+    first_copy: list[int] = []                     # index in copies of remote[p]'s first copy
+    heaps: dict[int, list] = {}        # per holder list: (load, rank) min-heap, refreshed lazily
+    first_holder: dict[int, dict] = {}
+    append, extend, mark = copies.append, copies.extend, first_copy.append
+    by_rank: dict[int, list[int]] = defaultdict(list)   # sender -> positions p it sends
+    pairs: dict[int, tuple | None] = {}
+    last_key = heap = firsts = pair = None
+    for p, x in enumerate(remote):
+        key = id(x[7])
+        if key != last_key:             # consecutive regions often share their holders
+            last_key = key
+            heap = heaps.get(key)
+            if heap is None:
+                firsts = first_holder[key] = {}
+                for h in x[7]:
+                    firsts.setdefault(h[0], h)
+                heap = heaps[key] = [(load[q], q) for q in sorted(firsts)]
+                heapify(heap)
+                pair = pairs[key] = tuple(sorted(firsts)) if len(firsts) == 2 else None
+            else:
+                firsts = first_holder[key]
+                pair = pairs[key]
+        if pair is not None:            # two holder ranks: the heap's answer, without the heap
+            a, b = pair
+            best = a if load[a] <= load[b] else b
+            load[best] -= x[0]
+        elif len(heap) == 1:            # one holder rank: nothing to choose
+            best = heap[0][1]
+            load[best] -= x[0]
+        else:
+            top = heap[0]
+            while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+                heapreplace(heap, (load[top[1]], top[1]))
+                top = heap[0]
+            best = top[1]
+            load[best] -= x[0]
+            heapreplace(heap, (load[best], best))
+        h = firsts[best]
+        choose(h)
+        by_rank[best].append(p)
+        n = len(copies)
+        mark(n)
+        # copies_of(x, h, n), inlined for the common case: one unsplit copy
+        isz = x[9]
+        limit = max_bytes.get(isz)
+        spiece = h[2]
+        pk = piece_keys.get(id(spiece))
+        if pk is None:
+            pb, pl = spiece.box, spiece.local
+            pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
+                                           else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+        if limit is None or -x[0] > limit:
+            extend(copies_of(x, h, n))
+            continue
+        slbox = src_boxes.get((id(x[10]), pk))
+        if slbox is None:
+            extend(copies_of(x, h, n))
+            continue
+        append((x[0], best, x[4], x[1], x[2], x[3], n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
+    for p in _rebalance(remote, chosen, load, by_rank):
+        n = first_copy[p]
+        new = copies_of(remote[p], chosen[p], n)
+        copies[n:n + len(new)] = new
+    return copies
+
+
+def _rebalance(remote, chosen, load, by_rank, max_moves: int = 100000) -> list[int]:
+    """Move regions off the most loaded sender while that lowers the maximum (deterministic).
+
+    ``remote[p]`` (in greedy order) is sent by ``chosen[p]``; ``by_rank[q]`` lists the positions p
+    that rank q sends; ties between regions go by their sequence number ``remote[p][6]``.  Returns
+    the positions p whose sender changed, in order."""
+    moved: set[int] = set()
+    sets: dict[int, set[int]] = {}      # by_rank as sets, made for the ranks a move touches only
+
+    def regions(q: int) -> set[int]:
+        got = sets.get(q)
+        if got is None:
+            got = sets[q] = set(by_rank.get(q, ()))
+        return got
+
+    seq = lambda p: remote[p][6]
+    for _ in range(max_moves):
+        if not load:
+            break
+        top = max(load, key=lambda q: (load[q], -q))
+        best_move = None
+        for p in sorted(regions(top), key=seq):
+            x = remote[p]
+            holders, n, i = x[7], -x[0], x[6]
+            for q in sorted({h[0] for h in holders}):
+                if q != top and load[q] + n < load[top]:
+                    key = (load[q] + n, q, i)
+                    if best_move is None or key < best_move[0]:
+                        best_move = (key, p, q, n)
+        if best_move is None:
+            break
+        _, p, q, n = best_move
+        chosen[p] = next(h for h in remote[p][7] if h[0] == q)
+        moved.add(p)
+        regions(top).discard(p)
+        regions(q).add(p)
+        load[top] -= n
+        load[q] += n
+    return sorted(moved)
+

@@ -1,0 +1,125 @@
+"""Self-consistency check of a plan (:func:`validate_plan`), pure Python."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..box import Box
+from ..layout import itemsize
+from .index import _uncovered
+from .plan import ALIGN, Copy, Plan
+
+def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[str]:
+    """Self-consistency of a plan (one received over the wire, loaded from JSON or built by hand),
+    pure Python: the problems found, each naming tensor, ranks, buffer and region ([] when sound).
+
+    Checks every copy that involves ``rank`` (every copy when ``rank`` is None): tensor, buffers
+    and ranks known to the plan; global/local boxes of equal size, inside their tensor and buffers;
+    byte counts; message entries 16-byte aligned, inside their message and not overlapping; at
+    most one message per (round, src, dst) and rounds below ``plan.rounds``; and, for each
+    destination buffer of ``rank``, that the copies and zero padding write every element exactly
+    once (two pieces claiming the same region, or a region nobody writes, are reported).
+    """
+    problems: list[str] = []
+
+    def bad(text: str) -> bool:
+        if len(problems) < limit:
+            problems.append(text)
+        return True
+
+    def buffer_meta(side: str, r: int, name: str):
+        return plan.buffers.get(side, {}).get(r, {}).get(name)
+
+    writes: dict[tuple[int, str], list[tuple[Box, str]]] = defaultdict(list)
+
+    def check_copy(c: Copy, where: str) -> None:
+        meta = plan.tensors.get(c.tensor)
+        if meta is None:
+            bad(f"{where}: tensor {c.tensor} is not in the plan's tensors")
+            return
+        if c.box.ndim != len(meta["shape"]) or not Box.full(meta["shape"]).contains(c.box):
+            bad(f"{where}: box {c.box} is outside tensor {c.tensor} of shape {list(meta['shape'])}")
+        for side, r, bname, local in (("src", c.src, c.src_buffer, c.src_local), ("dst", c.dst, c.dst_buffer, c.dst_local)):
+            bm = buffer_meta(side, r, bname)
+            if bm is None:
+                bad(f"{where}: {side} rank {r} has no buffer {bname} in the plan")
+                continue
+            shape = bm[0]
+            if local.ndim != len(shape) or not Box.full(shape).contains(local):
+                bad(f"{where}: {side} local box {local} is outside rank {r} buffer {bname} of shape {list(shape)}")
+            if local.numel != c.box.numel:
+                bad(f"{where}: {side} local box {local} of rank {r} buffer {bname} has {local.numel} elements, "
+                    f"global box {c.box} has {c.box.numel}")
+        want = c.box.numel * itemsize(meta["src_dtype"])
+        if c.nbytes != want:
+            bad(f"{where}: copy of {c.tensor}{c.box} claims {c.nbytes} B, {c.box.numel} x {meta['src_dtype']} is {want} B")
+        if rank is None or c.dst == rank:
+            writes[(c.dst, c.dst_buffer)].append((c.dst_local, f"{c.tensor}{c.box} from rank {c.src}"))
+
+    for c in plan.local_copies:
+        if rank is not None and c.dst != rank and c.src != rank:
+            continue
+        where = f"local copy on rank {c.dst}"
+        if c.src != c.dst:
+            bad(f"{where}: local copy of {c.tensor}{c.box} goes from rank {c.src} to rank {c.dst}")
+        check_copy(c, where)
+    seen: set[tuple[int, int, int]] = set()
+    for m in plan.messages:
+        if rank is not None and rank not in (m.src, m.dst):
+            continue
+        where = f"round {m.round} message {m.src}->{m.dst}"
+        if not 0 <= m.round < plan.rounds:
+            bad(f"{where}: round {m.round} is outside the plan's {plan.rounds} round(s)")
+        if m.src == m.dst:
+            bad(f"{where}: a message from a rank to itself")
+        if (m.round, m.src, m.dst) in seen:
+            bad(f"{where}: two messages for the same round and rank pair")
+        seen.add((m.round, m.src, m.dst))
+        spans = []
+        for c in m.entries:
+            if (c.src, c.dst) != (m.src, m.dst):
+                bad(f"{where}: entry {c.tensor}{c.box} goes {c.src}->{c.dst}")
+            if c.offset < 0 or c.offset % ALIGN or c.offset + c.nbytes > m.nbytes:
+                bad(f"{where}: entry {c.tensor}{c.box} at byte {c.offset} (+{c.nbytes}) is misaligned or outside "
+                    f"the {m.nbytes} B message")
+            spans.append((c.offset, c.offset + c.nbytes, c.tensor))
+            check_copy(c, where)
+        spans.sort()
+        for (a0, a1, ta), (b0, b1, tb) in zip(spans, spans[1:]):
+            if b0 < a1:
+                bad(f"{where}: entries {ta} and {tb} overlap in the staging buffer (bytes {b0}..{a1})")
+    for r, b, box in plan.padding:
+        if rank is not None and r != rank:
+            continue
+        bm = buffer_meta("dst", r, b)
+        if bm is None:
+            bad(f"padding on rank {r}: no destination buffer {b} in the plan")
+        elif box.ndim != len(bm[0]) or not Box.full(bm[0]).contains(box):
+            bad(f"padding on rank {r}: region {box} is outside buffer {b} of shape {list(bm[0])}")
+        else:
+            writes[(r, b)].append((box, "zero padding"))
+    for r, bufs in sorted(plan.buffers.get("dst", {}).items()):
+        if rank is not None and r != rank:
+            continue
+        for name, (shape, _) in sorted(bufs.items()):
+            boxes = sorted(writes.get((r, name), []), key=lambda x: x[0])
+            overlap = False
+            for i, (a, what_a) in enumerate(boxes):
+                for b, what_b in boxes[i + 1:]:
+                    if a.ndim and b.offsets[0] >= a.ends[0]:
+                        break
+                    inter = a.intersect(b)
+                    if inter is not None:
+                        overlap = bad(f"destination rank {r} buffer {name}: region {inter} is written twice "
+                                      f"({what_a} and {what_b})")
+                        break
+                if overlap:
+                    break
+            total = 1
+            for s in shape:
+                total *= s
+            written = sum(b.numel for b, _ in boxes)
+            if not overlap and written != total:
+                hole = _uncovered(Box.full(shape), [b for b, _ in boxes]) if written < total else None
+                bad(f"destination rank {r} buffer {name} of shape {list(shape)}: the plan writes {written} of its "
+                    f"{total} elements" + (f"; nothing writes {hole}" if hole is not None else ""))
+    return problems
