@@ -488,7 +488,9 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
     ``rope_type="yarn"`` uses YaRN RoPE; ``yarn`` overrides its MLATransformerConfig fields
     (``rotary_scaling_factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
     ``mscale``, ``mscale_all_dim``; default here: factor 4 over 16 original positions, so that the
-    ramp between interpolated and extrapolated frequencies falls inside the 4 rope frequencies).
+    ramp between interpolated and extrapolated frequencies falls inside the 4 rope frequencies, and
+    DeepSeek-V3's mscale 1 / mscale_all_dim 0.707, so that both the softmax scale and the cos/sin
+    factor differ from 1).
 
     The other builders take the same layout keywords.
     """
@@ -513,7 +515,7 @@ def _yarn_kwargs(rope_type: str, yarn: Optional[dict]) -> dict:
     if rope_type != "yarn":
         return dict(yarn or {})
     out = dict(rotary_scaling_factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
-               mscale=1.0, mscale_all_dim=1.0)
+               mscale=1.0, mscale_all_dim=0.707)
     out.update(yarn or {})
     return out
 
