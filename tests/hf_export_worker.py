@@ -99,3 +99,115 @@ def export_scenarios(rank: int, world: int, cases: list, out_root: str) -> list:
         results.append(res)
         mcore_cpu.destroy_megatron()
     return results
+
+
+# ------------------------------------------------------------------ an HF process that holds no Megatron shard
+
+def disaggregated_member(member: int, tmp: str) -> dict:
+    """Members 0, 1: a TP2 Megatron trainer whose default world is its own (2 ranks, as Megatron wants);
+    member 2: a process with a transformers model and no Megatron shard (no default group at first).
+
+    1. all call ``join_group`` while member 2 has no default group: refused on every member, fast;
+    2. the documented recipe: member 2 makes a default group of its own (a world of 1), all join;
+    3. member 2 reads its layout with its *global* rank (0): refused, naming the rank argument;
+    4. with ``dist.get_rank(group)``: refit into the live HF model, logits compared on member 2;
+    5. ``export_hf(..., group=g, on_rank=2)``: member 2 writes the directory."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from mcore_reshard import export_hf
+    from mcore_reshard.executor import all_gather_json
+    from mcore_reshard.hf_model import read_hf_layout
+    from mcore_reshard.integrations.protocol import join_group
+    from mcore_reshard.layout import Layout
+    from mcore_reshard.mapper.hf_config import hf_config_dict, megatron_facts, to_transformers
+    from mcore_reshard.refit import MegatronRefit
+    trainer = member < 2
+    out: dict = {}
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    chunks, logits = [], None
+    if trainer:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/trainer_world", rank=member, world_size=2,
+                                timeout=timedelta(seconds=120))
+        mcore_cpu.init_megatron(tp=2)
+        chunks = mcore_cpu.build_dsv3_tiny(mtp=True, topk=4)
+        perturb_replicated(chunks)
+        logits = mcore_cpu.forward_logits(chunks, tokens)
+    # 1. one side with a default group, one without
+    t0 = time.monotonic()
+    try:
+        join_group(f"file://{tmp}/mixed", 3, member, timeout_s=120)
+        out["mixed"] = "joined"
+    except RuntimeError as e:
+        out["mixed"] = str(e)
+    out["mixed_seconds"] = time.monotonic() - t0
+    # 2. the recipe
+    if not trainer:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/hf_world", rank=0, world_size=1)
+    g = join_group(f"file://{tmp}/refit", 3, member, timeout_s=120)
+    out["group_rank"] = dist.get_rank(g)
+    cfgs = all_gather_json(hf_config_dict(megatron_facts(chunks)) if trainer else None, g)
+    model = None
+    if not trainer:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_config(to_transformers(cfgs[0])).eval()
+    # 3. the global rank instead of the group rank
+    try:
+        MegatronRefit(chunks, group=g, target=read_hf_layout(model, dist.get_rank()) if model else (Layout(), {}),
+                      ignore_unused=True)
+        out["wrong_rank"] = "accepted"
+    except Exception as e:  # noqa: BLE001
+        out["wrong_rank"] = f"{type(e).__name__}: {e}"
+    # 4. right
+    refit = MegatronRefit(chunks, group=g, target=read_hf_layout(model, dist.get_rank(g)) if model else (Layout(), {}),
+                          ignore_unused=True)
+    refit.refit()
+    want = torch.zeros(2, 12, 128) if logits is None else logits
+    dist.broadcast(want, group=g, group_src=0)   # group ranks: global ids differ between the members
+    if model is not None:
+        with torch.no_grad():
+            got = model(tokens).logits.float()
+        out["refit_logits_max_diff"] = float((got - want).abs().max())
+        out["refit_same_argmax"] = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+    # 5. export, written by the process that holds no shard
+    out["export"] = export_hf(chunks, os.path.join(tmp, "export"), group=g, on_rank=2, timeout=120)
+    out["logits"], out["tokens"] = want, tokens
+    if trainer:
+        mcore_cpu.destroy_megatron()
+    dist.barrier(group=g)
+    return out
+
+
+def _member_main(member: int, fn, tmp: str, env: dict) -> None:
+    import traceback
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    mcore_cpu.install_cpu_shims()
+    try:
+        torch.save(fn(member, tmp), os.path.join(tmp, f"member_{member}.pt"))
+    except BaseException:
+        with open(os.path.join(tmp, f"member_{member}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def launch_members(fn, n: int, tmp: str, timeout: float = 300.0) -> list:
+    """``fn(member, tmp)`` in ``n`` fresh processes that share no process group (each makes its own)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(mcore_cpu._FORKSERVER_PRELOAD)
+    env = {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo", "TORCH_GLOO_LAZY_INIT": "1"}
+    procs = [ctx.Process(target=_member_main, args=(m, fn, tmp, env)) for m in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"members failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+    return [torch.load(os.path.join(tmp, f"member_{m}.pt"), weights_only=False) for m in range(n)]

@@ -240,3 +240,29 @@ def test_hf_config_from_a_config_needs_the_vocab_size():
     from mcore_reshard.mapper.hf_config import HFConfigError
     with pytest.raises(HFConfigError, match="vocab_size="):
         hf_config(_config("gqa"))
+
+
+@pytest.mark.multiproc
+def test_hf_on_a_process_with_no_megatron_shard(tmp_path):
+    """The README's disaggregated recipe, with the mistakes a newcomer makes on the way (items 2-4):
+    trainers whose default world is their own, an HF process that joins through ``join_group``."""
+    from transformers import AutoModelForCausalLM
+
+    res = hf_export_worker.launch_members(hf_export_worker.disaggregated_member, 3, str(tmp_path), timeout=400)
+    for r in res:   # 1. mixed join: refused on every member as soon as all arrived, saying what to change
+        assert "group ranks [0, 1] already have a default process group" in r["mixed"], r["mixed"]
+        assert "group ranks [2] have none" in r["mixed"] and "init_process_group" in r["mixed"]
+        assert r["mixed_seconds"] < 30, r["mixed_seconds"]
+    assert [r["group_rank"] for r in res] == [0, 1, 2]
+    for r in res:   # 3. the global rank: refused everywhere, naming the rank argument
+        assert "dist.get_rank(group)" in r["wrong_rank"] and "read_hf_layout(model, rank)" in r["wrong_rank"], r["wrong_rank"]
+        assert r["wrong_rank"].startswith("ReshardError: reshard refused before any transfer")
+    hf = res[2]     # 4. the live HF model on the extra process has Megatron's logits
+    assert hf["refit_logits_max_diff"] <= 1e-4 and hf["refit_same_argmax"], hf["refit_logits_max_diff"]
+    # 5. the export written by that process loads with the same logits
+    assert all(r["export"]["files"] == hf["export"]["files"] for r in res)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    with torch.no_grad():
+        logits = model(hf["tokens"]).logits.float()
+    assert float((logits - hf["logits"]).abs().max()) <= 1e-4
+    assert torch.equal(logits.argmax(-1), hf["logits"].argmax(-1))
