@@ -82,19 +82,29 @@ def export_scenarios(rank: int, world: int, cases: list, out_root: str) -> list:
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     results = []
     for case in cases:
-        chunks = _build(case["model"], case["src"], torch.float32, case.get("kw", {}))
+        padded, vocab = case.get("padded_vocab"), case.get("vocab_size")
+        old_vocab = mcore_cpu.VOCAB
+        mcore_cpu.VOCAB = padded or old_vocab      # Megatron's embedding and head padded past the real vocab
+        try:
+            chunks = _build(case["model"], case["src"], torch.float32, case.get("kw", {}))
+        finally:
+            mcore_cpu.VOCAB = old_vocab
         perturb_replicated(chunks)
-        res = {"expected": checkpoint_expected(reference_full(chunks), chunks[0].config, case["model"])}
+        full = reference_full(chunks)
+        if vocab:   # the checkpoint holds the real rows only
+            full = {k: (t[:vocab] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else t)
+                    for k, t in full.items()}
+        res = {"expected": checkpoint_expected(full, chunks[0].config, case["model"])}
         out_dir = os.path.join(out_root, case["id"])
         try:
-            res["stats"] = export_hf(chunks, out_dir, on_rank=case.get("on_rank", 0),
+            res["stats"] = export_hf(chunks, out_dir, on_rank=case.get("on_rank", 0), vocab_size=vocab,
                                      memory_bytes=case.get("memory_bytes", 1 << 30), timeout=120)
         except Exception as e:  # noqa: BLE001 - the refusal cases report what every rank raised
             if not case.get("refused"):
                 raise
             res["error"] = f"{type(e).__name__}: {e}"
         if not case.get("refused"):
-            res["logits"] = mcore_cpu.forward_logits(chunks, tokens)   # Megatron's own, on every rank
+            res["logits"] = mcore_cpu.forward_logits(chunks, tokens)[..., :vocab]   # Megatron's own, every rank
             res["tokens"] = tokens
         results.append(res)
         mcore_cpu.destroy_megatron()

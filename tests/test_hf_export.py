@@ -2,9 +2,9 @@
 ``AutoModelForCausalLM.from_pretrained`` loads with Megatron's logits, nothing written by hand.
 
 One 4-rank launch exports every scenario (DeepSeek-V3 with plain RoPE and with YaRN, Qwen3-MoE,
-Llama; each from TP2xEP2 (Llama: TP2xDP2) and TP2xPP2; a streamed export in many small shards written by global
-rank 3; a refused config).  This process, which never held the Megatron model, then checks each
-directory:
+Llama; each from TP2xEP2 (Llama: TP2xDP2) and TP2xPP2; a streamed export in many small shards
+written by global rank 3; a padded vocabulary trimmed; a refused config).  This process, which
+never held the Megatron model, then checks each directory:
 
 * every tensor in the safetensors files, under the checkpoint's names, bit-identical to the digest
   the ranks computed by hand from Megatron's full tensors (MTP layer and its embedding/head copies
@@ -44,6 +44,8 @@ CASES = [
     # streamed: at most 96 KiB of the model on the writer at once, and the writer is global rank 3
     {"id": "dsv3_streamed_rank3", "model": "dsv3", "src": {"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "kw": DSV3,
      "memory_bytes": 96 << 10, "on_rank": 3},
+    # Megatron's embedding and head padded to 192 rows, 100 of them real: the padding is not exported
+    {"id": "llama_padded_vocab_tp2", "model": "gqa", "src": {"tp": 2}, "padded_vocab": 192, "vocab_size": 100},
     # topk 2 over 2 of 4 groups: Megatron scores groups by their top 1, transformers by their top 2
     {"id": "dsv3_refused", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": {"mtp": True, "topk": 2}, "refused": True},
 ]
@@ -98,6 +100,8 @@ def test_exported_directory_loads_with_megatron_logits(exported, i):
         assert f"model.layers.{n}.eh_proj.weight" in got and f"model.layers.{n}.mlp.experts.7.down_proj.weight" in got
         assert got[f"model.layers.{n}.embed_tokens.weight"] == got["model.embed_tokens.weight"]
         assert got[f"model.layers.{n}.shared_head.head.weight"] == got["lm_head.weight"]
+    if "vocab_size" in case:
+        assert on_disk["model.embed_tokens.weight"].shape[0] == case["vocab_size"] == stats["config"]["vocab_size"]
     if "memory_bytes" in case:
         assert len(files) >= 8 and stats["max_group_bytes"] <= case["memory_bytes"]
         assert max(os.path.getsize(os.path.join(out_dir, f)) for f in files) <= case["memory_bytes"] + 16384
