@@ -94,16 +94,15 @@ def shard_groups(dst: Layout, rank: int, memory_bytes: int) -> list[list[str]]:
     return groups
 
 
-def _sub_layout(lay: Layout, tensors: set[str], ranks_buffers: dict[int, list[str]] | None = None) -> Layout:
-    """The part of ``lay`` that holds ``tensors``: their metas, and every buffer with a piece of them
-    (only those pieces)."""
+def _sub_layout(lay: Layout, tensors: set[str], ranks_buffers: dict[int, list[str]]) -> Layout:
+    """The part of ``lay`` that holds ``tensors``: their metas, and the buffers ``ranks_buffers``
+    names, with only their pieces of ``tensors``."""
     out = Layout()
     for n in sorted(tensors):
         m = lay.tensors[n]
         out.add_tensor(n, m.shape, m.dtype)
     for r, bufs in lay.buffers.items():
-        names = ranks_buffers.get(r, ()) if ranks_buffers is not None else bufs
-        for name in names:
+        for name in ranks_buffers.get(r, ()):
             b = bufs[name]
             pieces = tuple(p for p in b.pieces if p.tensor in tensors)
             if pieces:
@@ -202,7 +201,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
         dst_g = _sub_layout(dst, tensors, {on_rank: names})
         if write_error:   # the previous shard failed: tell every rank in place of this group's handshake
             agree(group, "00" * 32, write_error, timeout=timeout)
-        plan = make_plan(src_g, dst_g, budget_bytes=budget_bytes, allow_cast=want_dtype is not None)
+        plan = make_plan(src_g, dst_g, budget_bytes=budget_bytes, allow_cast=True)   # dtypes chosen in _dst_layout
         mine_src = {b: src_t[b] for b in src_g.buffers.get(rank, {})}
         out = {}
         if rank == on_rank:
@@ -239,12 +238,9 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
 
 
 def _config_json(hf_cfg: dict) -> dict:
-    """``config.json`` as transformers writes it (its defaults filled in) when transformers is
-    installed on the writer, else the derived fields alone (which transformers reads the same)."""
-    try:
-        from .mapper.hf_config import to_transformers
-    except ImportError:  # pragma: no cover
-        return dict(hf_cfg)
+    """``config.json`` as transformers writes it (its defaults filled in), or the derived fields alone
+    (which transformers reads the same) on a writer without transformers."""
+    from .mapper.hf_config import to_transformers
     try:
         return to_transformers(hf_cfg).to_dict()
     except ImportError:

@@ -95,7 +95,7 @@ CONFIG_FIELDS = (
 
 
 def _unwrap(m):
-    while hasattr(m, "module") and not hasattr(m, "config"):   # DDP / Float16Module wrappers
+    while not hasattr(m, "vocab_size") and hasattr(m, "module"):   # DDP / Float16Module wrappers
         m = m.module
     return m
 
@@ -224,8 +224,9 @@ def _facts_rope(f: dict) -> None:
 @lru_cache(maxsize=None)
 def hf_table(family: str) -> dict:
     """The ``[hf_config]`` section of ``layouts/<family>.toml``."""
-    import tomllib
-    from ..family import FamilyError, shipped_families
+    from ..family import FamilyError, shipped_families, tomllib
+    if tomllib is None:
+        raise FamilyError("reading family tables needs Python >= 3.11 (tomllib)")
     try:
         text = resources.files("mcore_reshard.layouts").joinpath(f"{family}.toml").read_text()
     except FileNotFoundError:
