@@ -115,8 +115,9 @@ def _prepare_dir(out_dir: str, files: list[str]) -> None:
     not overwrite (as ``save_pretrained`` does), so ``from_pretrained`` cannot pick them up."""
     os.makedirs(out_dir, exist_ok=True)
     for f in os.listdir(out_dir):
-        if (_SHARD.match(f) or f == INDEX) and f not in files:
-            os.unlink(os.path.join(out_dir, f))
+        path = os.path.join(out_dir, f)
+        if (_SHARD.match(f) or f == INDEX) and f not in files and os.path.isfile(path):
+            os.unlink(path)
 
 
 def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None, *, on_rank: int = 0,
@@ -144,6 +145,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     try:
         if not 0 <= on_rank < world:
             raise ValueError(f"on_rank={on_rank} is not a rank of the group of {world} (pass the rank in the group)")
+        if rank == on_rank:
+            import safetensors.torch  # noqa: F401 - the writer needs it (it comes with transformers)
         src_l, src_t = read_layout(model_chunks, rank)
         hf_cfg = None
         if model_chunks:
@@ -187,7 +190,6 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
         raise  # unreachable: agree raises on every rank
 
     weight_map, total, biggest, net = {}, 0, 0, 0
-    write_error: list[str] = []
     pbar = bar(total=n, desc="export_hf", unit="shard") if rank == on_rank and progress else None
     for gi, names in enumerate(groups):
         bufs = dst.buffers[on_rank]
@@ -199,11 +201,9 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
                 have.extend(b for b in bnames if b not in have)
         src_g = _sub_layout(src, tensors, src_buffers)
         dst_g = _sub_layout(dst, tensors, {on_rank: names})
-        if write_error:   # the previous shard failed: tell every rank in place of this group's handshake
-            agree(group, "00" * 32, write_error, timeout=timeout)
         plan = make_plan(src_g, dst_g, budget_bytes=budget_bytes, allow_cast=True)   # dtypes chosen in _dst_layout
         mine_src = {b: src_t[b] for b in src_g.buffers.get(rank, {})}
-        out = {}
+        out, error = {}, None
         if rank == on_rank:
             out = {name: torch.empty(bufs[name].shape, dtype=torch_dtype(bufs[name].dtype)) for name in names}
         Resharder(plan, mine_src, out, group, timeout=timeout).refit()
@@ -213,28 +213,40 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             biggest, total = max(biggest, size), total + size
             try:
                 from safetensors.torch import save_file
-                save_file(out, os.path.join(out_dir, files[gi]), metadata={"format": "pt"})
+                save_file(out, os.path.join(out_dir, files[gi]), metadata={"format": "pt"})   # as transformers writes
                 weight_map.update({name: files[gi] for name in names})
-            except Exception as e:  # noqa: BLE001 - reported to every rank at the next handshake
-                write_error = [f"rank {rank}: writing {os.path.join(out_dir, files[gi])} failed: {type(e).__name__}: {e}"]
+            except Exception as e:  # noqa: BLE001 - every rank must hear about it
+                error = f"rank {rank}: writing {os.path.join(out_dir, files[gi])} failed: {type(e).__name__}: {e}"
             if pbar is not None:
                 pbar.update(1)
                 pbar.set_postfix_str(f"{total / 2**20:.1f} MiB")
         del out
+        _all_written(group, error, timeout, pbar)
     if pbar is not None:
         pbar.close()
-    if rank == on_rank and not write_error:
+    error = None
+    if rank == on_rank:
         try:
             with open(os.path.join(out_dir, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
             with open(os.path.join(out_dir, "config.json"), "w") as f:
                 json.dump(_config_json(hf_cfg), f, indent=2, sort_keys=True)
         except Exception as e:  # noqa: BLE001
-            write_error = [f"rank {rank}: writing {out_dir} failed: {type(e).__name__}: {e}"]
-    agree(group, "", write_error, timeout=timeout)   # every rank returns only once the directory is complete
+            error = f"rank {rank}: writing {out_dir} failed: {type(e).__name__}: {e}"
+    _all_written(group, error, timeout, None)   # every rank returns only once the directory is complete
     return {"config": hf_cfg, "files": files + [INDEX, "config.json"], "tensors": len(dst.tensors),
             "buffers": len(dst.buffers.get(on_rank, {})), "total_bytes": total, "max_group_bytes": biggest,
             "network_bytes": net, "seconds": time.perf_counter() - t0}
+
+
+def _all_written(group, error: str | None, timeout: float | None, pbar) -> None:
+    """Collective: raise on every rank if the writer could not write (the shards written so far stay,
+    with no index: ``from_pretrained`` does not mistake them for a model)."""
+    errors = [e for e in all_gather_json(error, group, timeout=timeout) if e]
+    if errors:
+        if pbar is not None:
+            pbar.close()
+        raise ReshardError("export_hf: " + " | ".join(errors))
 
 
 def _config_json(hf_cfg: dict) -> dict:

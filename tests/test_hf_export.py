@@ -46,6 +46,9 @@ CASES = [
      "memory_bytes": 96 << 10, "on_rank": 3},
     # Megatron's embedding and head padded to 192 rows, 100 of them real: the padding is not exported
     {"id": "llama_padded_vocab_tp2", "model": "gqa", "src": {"tp": 2}, "padded_vocab": 192, "vocab_size": 100},
+    # shard 2 cannot be written (a directory is in the way): every rank raises, no index is written
+    {"id": "dsv3_write_fails", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": DSV3, "memory_bytes": 96 << 10,
+     "block_shard": 2, "refused": True},
     # topk 2 over 2 of 4 groups: Megatron scores groups by their top 1, transformers by their top 2
     {"id": "dsv3_refused", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": {"mtp": True, "topk": 2}, "refused": True},
 ]
@@ -123,9 +126,22 @@ def test_exported_directory_loads_with_megatron_logits(exported, i):
 
 
 @pytest.mark.multiproc
+def test_failed_shard_write_raises_on_every_rank(exported):
+    root, results = exported
+    i = next(i for i, c in enumerate(CASES) if c["id"] == "dsv3_write_fails")
+    for r in results:
+        err = r[i]["error"]
+        assert err.startswith("ReshardError: export_hf: rank 0: writing ") and "/model-00002-of-" in err, err
+        assert "Is a directory" in err and "refused" not in err, err
+    left = os.listdir(os.path.join(root, CASES[i]["id"]))
+    assert "model-00001-of-" in " ".join(left)                         # shard 1 was written ...
+    assert "model.safetensors.index.json" not in left and "config.json" not in left   # ... but nothing says complete
+
+
+@pytest.mark.multiproc
 def test_refused_config_raises_on_every_rank_before_writing(exported):
     root, results = exported
-    i = next(i for i, c in enumerate(CASES) if c.get("refused"))
+    i = next(i for i, c in enumerate(CASES) if c["id"] == "dsv3_refused")
     for r in results:
         err = r[i]["error"]
         assert "experts_scored_per_group=1" in err and "moe_router_topk = 2 * moe_router_group_topk" in err, err
