@@ -43,6 +43,7 @@ import torch.distributed as dist
 from .executor import ReshardError, Resharder, agree, all_gather_json, dtype_name, torch_dtype
 from .family import canonicalize, load_family
 from .layout import Buffer, Layout
+from .memstat import peak_bytes, reset_peak, rss_bytes
 from .megatron_model import family_for, model_config, read_layout
 from .planner import DEFAULT_BUDGET, make_plan
 from .progress import bar
@@ -133,8 +134,10 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     the largest shard file).  ``budget_bytes``: staging per rank per transfer round.  ``timeout``:
     seconds any rank waits for a peer before raising.  ``progress``: a bar per shard on the writer.
 
-    Returns, on every rank, ``{"config": config.json dict, "files": [...], "tensors": n,
-    "total_bytes": b, "max_group_bytes": g, "network_bytes": ..., "seconds": t}``."""
+    Returns ``{"config": config.json dict, "files": [...], "tensors": n, "total_bytes": b,
+    "max_group_bytes": g, "network_bytes": ..., "writer_peak_added_bytes": m, "stream_seconds": s,
+    "seconds": t}`` (``m``: on the writer, how much its resident memory grew at most while streaming,
+    Linux; else None; ``s``: the transfers and shard writes, ``t``: the whole call)."""
     from .mapper.hf_config import hf_config_dict, megatron_facts
 
     t0 = time.perf_counter()
@@ -190,6 +193,9 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
         raise  # unreachable: agree raises on every rank
 
     weight_map, total, biggest, net = {}, 0, 0, 0
+    measured = rank == on_rank and reset_peak()    # the writer's resident memory while it streams
+    before = rss_bytes() if measured else 0
+    t_stream = time.perf_counter()
     pbar = bar(total=n, desc="export_hf", unit="shard") if rank == on_rank and progress else None
     for gi, names in enumerate(groups):
         bufs = dst.buffers[on_rank]
@@ -224,6 +230,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
         _all_written(group, error, timeout, pbar)
     if pbar is not None:
         pbar.close()
+    peak_added = peak_bytes() - before if measured else None
+    stream_s = time.perf_counter() - t_stream
     error = None
     if rank == on_rank:
         try:
@@ -236,7 +244,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     _all_written(group, error, timeout, None)   # every rank returns only once the directory is complete
     return {"config": hf_cfg, "files": files + [INDEX, "config.json"], "tensors": len(dst.tensors),
             "buffers": len(dst.buffers.get(on_rank, {})), "total_bytes": total, "max_group_bytes": biggest,
-            "network_bytes": net, "seconds": time.perf_counter() - t0}
+            "network_bytes": net, "writer_peak_added_bytes": peak_added, "stream_seconds": stream_s,
+            "seconds": time.perf_counter() - t0}
 
 
 def _all_written(group, error: str | None, timeout: float | None, pbar) -> None:

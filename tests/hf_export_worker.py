@@ -101,7 +101,8 @@ def export_scenarios(rank: int, world: int, cases: list, out_root: str) -> list:
                 os.makedirs(os.path.join(out_dir, f"model-{case['block_shard']:05d}-of-{n:05d}.safetensors"))
         try:
             res["stats"] = export_hf(chunks, out_dir, on_rank=case.get("on_rank", 0), vocab_size=vocab,
-                                     memory_bytes=case.get("memory_bytes", 1 << 30), timeout=120)
+                                     memory_bytes=case.get("memory_bytes", 1 << 30),
+                                     budget_bytes=case.get("budget_bytes", 256 << 20), timeout=120)
         except Exception as e:  # noqa: BLE001 - the refusal cases report what every rank raised
             if not case.get("refused"):
                 raise

@@ -32,6 +32,8 @@ pytestmark = [pytest.mark.megatron]
 
 DSV3 = {"mtp": True, "topk": 4}      # topk / group_topk = 2: the group scoring transformers implements
 YARN = dict(DSV3, rope_type="yarn")
+WIDE = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, q_lora_rank=128, kv_lora_rank=64,
+            qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32, moe_ffn_hidden_size=256, vocab=2048)
 CASES = [
     {"id": "dsv3_rope_tp2ep2", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": DSV3},
     {"id": "dsv3_rope_tp2pp2", "model": "dsv3", "src": {"tp": 2, "pp": 2}, "kw": DSV3},
@@ -44,6 +46,9 @@ CASES = [
     # streamed: at most 96 KiB of the model on the writer at once, and the writer is global rank 3
     {"id": "dsv3_streamed_rank3", "model": "dsv3", "src": {"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "kw": DSV3,
      "memory_bytes": 96 << 10, "on_rank": 3},
+    # ~40 MB of weights (hidden 256, 16 experts of 256, vocab 2048) through at most 4 MiB at a time
+    {"id": "dsv3_wide_streamed", "model": "dsv3", "src": {"tp": 2, "ep": 2},
+     "kw": dict(DSV3, num_experts=16, widths=WIDE), "memory_bytes": 4 << 20, "budget_bytes": 1 << 20},
     # Megatron's embedding and head padded to 192 rows, 100 of them real: the padding is not exported
     {"id": "llama_padded_vocab_tp2", "model": "gqa", "src": {"tp": 2}, "padded_vocab": 192, "vocab_size": 100},
     # shard 2 cannot be written (a directory is in the way): every rank raises, no index is written
@@ -107,6 +112,10 @@ def test_exported_directory_loads_with_megatron_logits(exported, i):
         assert on_disk["model.embed_tokens.weight"].shape[0] == case["vocab_size"] == stats["config"]["vocab_size"]
     if "memory_bytes" in case:
         assert len(files) >= 8 and stats["max_group_bytes"] <= case["memory_bytes"]
+        writer = results[case.get("on_rank", 0)][i]["stats"]
+        if case["id"] == "dsv3_wide_streamed":   # the writer's memory grew by a few groups, never by the model
+            assert stats["total_bytes"] > 40e6 and writer["writer_peak_added_bytes"] is not None
+            assert writer["writer_peak_added_bytes"] < 4 * case["memory_bytes"], writer["writer_peak_added_bytes"]
         assert max(os.path.getsize(os.path.join(out_dir, f)) for f in files) <= case["memory_bytes"] + 16384
 
     model, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)

@@ -472,7 +472,7 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
                     first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
                     pipeline_layout: Optional[str] = None, dispatcher: str = "alltoall",
                     num_experts: int = 8, topk: int = 2, rope_type: str = "rope",
-                    yarn: Optional[dict] = None) -> list:
+                    yarn: Optional[dict] = None, widths: Optional[dict] = None) -> list:
     """Tiny DeepSeek-V3-style model: MLA (q_lora 32, kv_lora 16, nope 16, rope 8, v 16, 4 heads,
     hidden 64), first layer dense (ffn 128), the rest MoE with ``num_experts`` routed experts
     (ffn 32, top-2, sigmoid scores, expert bias, 4 groups / top-2 groups, scaling 2.5) plus one
@@ -492,23 +492,30 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
     DeepSeek-V3's mscale 1 / mscale_all_dim 0.707, so that both the softmax scale and the cos/sin
     factor differ from 1).
 
+    ``widths`` overrides the sizes (``hidden_size``, ``ffn_hidden_size``, ``num_attention_heads``,
+    ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim`` (=
+    ``kv_channels``), ``moe_ffn_hidden_size`` (= the shared expert's), and ``vocab``) for a larger model.
+
     The other builders take the same layout keywords.
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    sizes = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, q_lora_rank=32, kv_lora_rank=16,
+                 qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, moe_ffn_hidden_size=32, vocab=VOCAB)
+    sizes.update(widths or {})
+    vocab = sizes.pop("vocab")
+    sizes.update(kv_channels=sizes["v_head_dim"], moe_shared_expert_intermediate_size=sizes["moe_ffn_hidden_size"])
+
     kw = _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
                              pipeline_layout)
     config = MLATransformerConfig(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-        q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
-        kv_channels=16, rope_type=rope_type, qk_layernorm=True, layernorm_epsilon=1e-6,
-        num_moe_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=32,
-        moe_shared_expert_intermediate_size=32, moe_layer_freq=[0] + [1] * (num_layers - 1),
+        num_layers=num_layers, **sizes, rope_type=rope_type, qk_layernorm=True, layernorm_epsilon=1e-6,
+        num_moe_experts=num_experts, moe_router_topk=topk, moe_layer_freq=[0] + [1] * (num_layers - 1),
         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
         moe_router_pre_softmax=True, mtp_num_layers=1 if mtp else None,
         **_moe_kwargs(dispatcher, "seq_aux_loss"), **kw, **_yarn_kwargs(rope_type, yarn))
-    return _build_chunks(config, VOCAB, share_embeddings=False, mtp=mtp)
+    return _build_chunks(config, vocab, share_embeddings=False, mtp=mtp)
 
 
 def _yarn_kwargs(rope_type: str, yarn: Optional[dict]) -> dict:
