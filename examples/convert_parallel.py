@@ -6,7 +6,7 @@
 
 Builds the model in the source layout, builds an empty one in the target layout on the same
 ranks, moves every weight with ``MegatronRefit``, and checks both give the same logits.
-CPU-only torch needs the test helper's patches of CUDA-only calls (tests/mcore_cpu.py).
+CPU-only torch needs Megatron-Core's CUDA-only calls patched: ``mcore_reshard.testing.megatron_cpu``.
 """
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
 
 def run(rank: int, world: int, src: str, dst: str) -> dict:
     import torch
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron.core import parallel_state as ps
     from mcore_reshard.refit import MegatronRefit
 
@@ -55,7 +53,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
         res = [run(dist.get_rank(), dist.get_world_size(), args.src, args.dst)]
     else:
-        from mcore_cpu import spawn
+        from mcore_reshard.testing.megatron_cpu import spawn
         res = spawn(run, args.nproc, args.src, args.dst, timeout=600)
     r = res[0]
     print(f"{args.src} -> {args.dst}: {r['tensors']} tensors, {r['bytes']:,} B sent + {r['local']:,} B copied locally "

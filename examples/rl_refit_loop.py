@@ -11,7 +11,7 @@ moves every weight shard to shard, and the inference model's logits must follow 
 Disaggregated here: ranks [0, N/2) train and ranks [N/2, N) infer.  Megatron's parallel_state
 spans the whole world, so the trainer is built with dp slowest ("tp-cp-ep-pp-dp"): ranks [0, N/2)
 hold one whole replica, which alone feeds the refit (the other replica is never read).  CPU-only
-torch needs the test helper's patches of CUDA-only calls (tests/mcore_cpu.py).
+torch needs Megatron-Core's CUDA-only calls patched: ``mcore_reshard.testing.megatron_cpu``.
 """
 from __future__ import annotations
 
@@ -20,13 +20,10 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
 
 def run(rank: int, world: int, steps: int, colocated: bool, train: str, infer: str) -> dict:
     import torch
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron.core import parallel_state as ps
     from mcore_reshard.refit import MegatronRefit
 
@@ -101,7 +98,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
         res = [run(dist.get_rank(), dist.get_world_size(), args.steps, args.colocated, args.train, args.infer)]
     else:
-        from mcore_cpu import spawn
+        from mcore_reshard.testing.megatron_cpu import spawn
         res = spawn(run, args.nproc, args.steps, args.colocated, args.train, args.infer, timeout=600)
     ok = True
     for r in res:

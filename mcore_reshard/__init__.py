@@ -7,10 +7,15 @@ Subpackages, in layer order (each imports only those above it in this list):
   targets/       layouts of inference engines: Hugging Face, vLLM, SGLang (metadata only)
   fp8/           FP8 in transit: FP8 target layouts, block-owner plans, quantizing executor
   refit.py       MegatronRefit: read, exchange, map, plan, bind -- the one-call API
+  export.py      export_hf: a live Megatron model to a Hugging Face directory (config derived by sources/hf_config)
   integrations/  vLLM worker extension, SGLang loader, post-refit hooks, the engine-side protocol
-  tools/         CLI, demo, benchmarks, cost model, launch, progress (never imported by the library)
+  testing/       opt-in CPU shims for Megatron-Core on a CPU-only torch (nothing applies them unasked)
+  tools/         CLI, demo, benchmarks, cost model, launch, progress (the library uses only progress bars)
 See docs/architecture.md.  The flat 0.1 module paths (mcore_reshard.planner, ...) remain as
 deprecated aliases for this release (:mod:`mcore_reshard._compat`).
+
+``hf_config`` (the transformers config of a Megatron model) and ``export_hf`` are loaded on first use:
+importing ``mcore_reshard`` imports neither megatron-core nor transformers.
 """
 from .core.box import Box
 from .core.layout import Buffer, Layout, LayoutError, Piece, TensorMeta, stacked
@@ -18,7 +23,17 @@ from .core.mesh import Mesh, megatron_meshes
 from .core.planner import Plan, PlanError, make_plan
 
 __all__ = ["Box", "Buffer", "Layout", "LayoutError", "Mesh", "Piece", "Plan", "PlanError", "TensorMeta",
-           "make_plan", "megatron_meshes", "stacked"]
+           "export_hf", "hf_config", "make_plan", "megatron_meshes", "stacked"]
+
+_LAZY = {"hf_config": ("mcore_reshard.sources.hf_config", "hf_config"), "export_hf": ("mcore_reshard.export", "export_hf")}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'mcore_reshard' has no attribute {name!r}")
 __version__ = "0.1.0"
 
 from . import _compat as _compat

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mcore_cpu
+from mcore_reshard.testing import tiny_models
 from megatron_refit_worker import _build, perturb_replicated, reference_digests
 from reliability_workers import no_pickle
 
@@ -53,12 +54,12 @@ def megatron_refusals(rank: int, world: int) -> dict:
                                     lambda: _build("qwen3", {"tp": 2}, f32, {"num_layers": 2}))
 
     def big_vocab():
-        old = mcore_cpu.VOCAB
-        mcore_cpu.VOCAB = 256
+        old = tiny_models.VOCAB
+        tiny_models.VOCAB = 256
         try:
             return _build("gqa", {"tp": 2}, f32, {})
         finally:
-            mcore_cpu.VOCAB = old
+            tiny_models.VOCAB = old
 
     out["vocab 128 vs 256"] = _attempt(lambda: _build("gqa", {"tp": 1}, f32, {}), big_vocab)
 

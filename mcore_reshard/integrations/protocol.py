@@ -80,16 +80,17 @@ def join_group(init_method: str, world_size: int, rank: int, *, backend: str | N
     point-to-point call with ``group=`` work.  ``init_method``: ``tcp://host:port`` (group rank 0
     hosts the store) or ``file:///shared/path``.  ``backend``: ``nccl`` with CUDA, else ``gloo``.
     """
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
-        return dist.group.WORLD
     from torch.distributed import distributed_c10d as c10d
 
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
     name = group_name or "mcore_reshard_" + hashlib.sha1(init_method.encode()).hexdigest()[:12]
     store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    _same_kind_of_join(store, name, rank, world_size, dist.is_initialized(), timeout)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
+        return dist.group.WORLD
     default = c10d._get_default_group()
     bound = getattr(default, "bound_device_id", None)
     if bound is not None:
@@ -105,6 +106,29 @@ def join_group(init_method: str, world_size: int, rank: int, *, backend: str | N
         raise RuntimeError(f"join_group: built group reports rank {dist.get_rank(pg)}/{dist.get_world_size(pg)}, "
                            f"expected {rank}/{world_size}")
     return pg
+
+
+def _same_kind_of_join(store, name: str, rank: int, world_size: int, has_default: bool,
+                       timeout: datetime.timedelta) -> None:
+    """Every member says through the rendezvous store whether it already has a default process group.
+
+    A process without one makes the group its default world (``init_process_group``), a process
+    with one builds a second group beside it: the two build incompatible stores and would wait for
+    each other until the timeout, then fail with a bare gloo "Wait timeout".  So a mix is refused as
+    soon as every member has arrived, on every member, saying which ranks are which."""
+    key = f"mcore_reshard_join/{name}/"
+    store.set(key + str(rank), "beside" if has_default else "world")
+    store.wait([key + str(r) for r in range(world_size)], timeout)
+    kinds = {r: store.get(key + str(r)).decode() for r in range(world_size)}
+    if len(set(kinds.values())) > 1:
+        beside = [r for r, k in kinds.items() if k == "beside"]
+        world = [r for r, k in kinds.items() if k == "world"]
+        raise RuntimeError(
+            f"join_group: group ranks {beside} already have a default process group (they build this group beside "
+            f"it), group ranks {world} have none (they would make this group their default world); the two cannot "
+            f"meet.  Make every member the same: on ranks {world}, first create a default group of their own "
+            f"(e.g. dist.init_process_group('gloo', init_method='file:///tmp/<unique>', rank=0, world_size=1)), "
+            f"then call join_group; or call join_group on every member before any other init_process_group")
 
 
 def leave_group(group) -> None:

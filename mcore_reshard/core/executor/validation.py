@@ -13,24 +13,33 @@ from .common import dtype_name, group_ranks_hint
 
 def check_tensors(plan: Plan, rank: int, side: str, tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Every tensor the plan gives ``rank`` on ``side`` is there, of its shape and dtype; nothing extra."""
-    errors = []
+    errors, missing = [], []
     want = plan.buffers[side].get(rank, {})
     for name, (shape, dtype) in want.items():
         t = tensors.get(name)
         if t is None:
-            errors.append(f"rank {rank}: {side} tensor {name} {shape} {dtype} is missing")
+            missing.append(f"rank {rank}: {side} tensor {name} {shape} {dtype} is missing")
         elif not isinstance(t, torch.Tensor):
             errors.append(f"rank {rank}: {side} tensor {name} is a {type(t).__name__}, not a torch.Tensor")
         elif list(t.shape) != list(shape) or dtype_name(t.dtype) != dtype:
             errors.append(f"rank {rank}: {side} tensor {name} is {list(t.shape)} {dtype_name(t.dtype)}, plan says {shape} {dtype}")
         elif side == "dst" and not t.is_contiguous():
             errors.append(f"rank {rank}: dst tensor {name} is not contiguous")
+    if missing and len(missing) == len(want):   # all of them: a layout read for another rank, not one lost tensor
+        missing = [f"{missing[0]}, and so is every other of the {len(want)} {side} tensor(s) the plan puts on this "
+                   f"rank{_WRONG_RANK}"]
+    errors = missing + errors
     extra = sorted(set(tensors) - set(want))
     if extra:
         errors.append(f"rank {rank}: {len(extra)} {side} tensor(s) the plan does not have on this rank: "
                       + ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else "")
-                      + (" (a destination tensor the plan never writes would silently keep old weights)" if side == "dst" else ""))
+                      + (" (a destination tensor the plan never writes would silently keep old weights)" if side == "dst" else "")
+                      + (_WRONG_RANK if not want else ""))
     return errors
+
+
+_WRONG_RANK = (": was this side's layout read for another rank? read_hf_layout(model, rank) and read_layout(chunks, rank) "
+               "take this process's rank in the refit group, dist.get_rank(group), not its global dist.get_rank()")
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
