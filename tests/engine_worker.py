@@ -12,6 +12,7 @@ the layout.  Every rank writes ``OUT_DIR/rank{r}.json``: case id -> report.
 from __future__ import annotations
 
 import json
+import zlib
 import os
 import sys
 import tempfile
@@ -164,7 +165,7 @@ def vllm_layout_case(eng: VllmEngine, case: dict) -> dict:
     vc = eng.config(cfg, par, case["model"])
     g = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
     lrank = eng.rank % g
-    full, ck = engine_models.random_checkpoint(cfg, seed=hash(case["id"]) % 1000)
+    full, ck = engine_models.random_checkpoint(cfg, seed=zlib.crc32(case["id"].encode()))
     t0 = time.monotonic()
     model = eng.build(vc)
     sentinel(model)

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import types
+import zlib
 
 import torch
 
@@ -108,7 +109,7 @@ def layout_case(eng: SGLangEngine, case: dict) -> dict:
     cfg, par = engine_models.MODELS[case["model"]](), case["par"]
     tp = par.get("tp", 1)
     lrank = eng.rank % tp
-    full, ck = engine_models.random_checkpoint(cfg, seed=hash(case["id"]) % 1000)
+    full, ck = engine_models.random_checkpoint(cfg, seed=zlib.crc32(case["id"].encode()))
     t0 = time.monotonic()
     model = eng.build(cfg, par, case["model"])
     sentinel(model)

@@ -165,6 +165,15 @@ def test_vllm_live_refit_equals_engine_load_weights(vllm_refits, cid):
     assert engine_ranks and all(rep["checked"] > 0 and rep["same_storage"] for rep in engine_ranks)
 
 
+def test_vllm_weight_transfer_backend_lifecycle_and_draft(vllm_refits):
+    """The backend went through vLLM's factories and lifecycle, the MTP draft model through the draft update."""
+    reps = vllm_refits["weight-transfer-backend"]
+    assert reps[0]["calls"] == ["init", "start", "update", "finish", "start_draft", "update", "finish"]
+    for rep in (r for r in reps.values() if r.get("role") == "engine"):
+        assert rep["backend"] == "McoreReshardWeightTransferEngine"
+        assert rep["draft_checked"] > 0 and rep["draft_same_storage"]
+
+
 @pytest.mark.parametrize("cid", [c["id"] for c in engine_cases.SGLANG_REFITS])
 def test_sglang_live_refit_equals_engine_load_weights(sglang_refits, cid):
     bad = failures(sglang_refits, cid, keys=("errors",))

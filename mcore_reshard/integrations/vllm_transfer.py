@@ -18,7 +18,9 @@ the ``vllm.general_plugins`` entry point this package declares)::
     trainer.send_weights()              # every step: start_weight_update / update_weights / finish_weight_update
     trainer.send_weights(draft=True)    # the MTP draft model, through start_draft_weight_update
 
-``client`` is vLLM's ``VLLMWeightSyncClient`` (``LLM`` / ``AsyncLLM`` / the HTTP routes); the trainer
+``client`` is a ``VLLMWeightSyncClient`` (vLLM's ``HTTPVLLMWeightSyncClient`` / ``RayVLLMWeightSyncClient``,
+or any object with its four methods; the draft update also needs ``start_draft_weight_update``, which
+``AsyncLLM`` has); the trainer
 engine issues its blocking calls from a thread while every trainer rank runs its side of the
 transfer.  The worker side needs no client: vLLM creates :class:`McoreReshardWeightTransferEngine`
 from ``WeightTransferConfig(backend="mcore_reshard")`` and calls ``init_transfer_engine`` /
@@ -286,7 +288,11 @@ def _classes() -> dict:
             self.version = self.version + 1 if version is None else int(version)
             v, c = self.version, self.client
             if self.is_sender:
-                (c.start_draft_weight_update if draft else c.start_weight_update)()
+                start = getattr(c, "start_draft_weight_update", None) if draft else c.start_weight_update
+                if start is None:
+                    raise ReshardError(f"{type(c).__name__} has no start_draft_weight_update: the draft update "
+                                       "needs a client that exposes it (vLLM's AsyncLLM does)")
+                start()
             t0 = time.monotonic()
             rep = self._call(lambda: c.update_weights({"version": v}), lambda: self._refit("draft" if draft else "main", v))
             if self.is_sender:
