@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two commands of the README:
 #   ./dev.sh demo   set everything up (Python 3.12 venv, pinned packages) and run the main demo
-#   ./dev.sh test   set everything up and run the whole test suite
+#   ./dev.sh test   set everything up (also the vLLM and SGLang venvs, .venv-vllm / .venv-sglang, once)
+#                   and run the whole test suite
 # Extra arguments go to the demo (`mcore-reshard demo ...`) or to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -49,12 +50,43 @@ core311() {
   "$venv/bin/python" -m pytest -q -p no:cacheprovider $CORE_TESTS "$@"
 }
 
+# The inference engines as test dependencies (tests/test_engines.py runs their real model classes and
+# loaders on CPU): one venv per engine, created once and kept. Each holds the engine, pytest, megatron-core
+# (pure Python) and this worktree (editable, no deps), so one process can host a trainer and an engine.
+VLLM_VERSION=0.33.0
+SGLANG_VERSION=0.5.23
+engine_venv() {  # engine_venv NAME PIN
+  local name=$1 pin=$2 venv=.venv-$1
+  if [ -f "$venv/.mcore-reshard-ok" ] && [ "$(cat "$venv/.mcore-reshard-ok")" = "$pin" ]; then
+    if [ pyproject.toml -nt "$venv/.mcore-reshard-ok" ]; then   # entry points / metadata changed: seconds
+      "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+      touch "$venv/.mcore-reshard-ok"
+    fi
+    return 0
+  fi
+  local py; py=$(find_python)
+  echo "[dev.sh] creating $venv with $pin (once: vllm ~3 min / 9 GB, sglang ~5 min / 11 GB)" >&2
+  rm -rf "$venv"
+  PYENV_VERSION=3.12.1 "$py" -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  "$venv/bin/pip" install -q "$pin" megatron-core==0.19.2 pytest==9.2.0 2>&1 | grep -v '^WARNING: Location' || true
+  "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+  "$venv/bin/python" -c "import importlib.metadata as m, mcore_reshard, megatron.core; assert m.version('$name') == '${pin#*==}'"
+  echo "$pin" > "$venv/.mcore-reshard-ok"
+}
+engines() {
+  [ "${MCORE_RESHARD_ENGINES:-1}" = 0 ] && { echo "[dev.sh] MCORE_RESHARD_ENGINES=0: engine venvs not created" >&2; return 0; }
+  engine_venv vllm "vllm==$VLLM_VERSION"
+  engine_venv sglang "sglang==$SGLANG_VERSION"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/mcore-reshard" demo "$@" ;;
-  test) setup; exec "$VENV/bin/python" -m pytest -q -rs "$@" ;;
+  test) setup; engines; exec "$VENV/bin/python" -m pytest -q -rs "$@" ;;
   setup) setup ;;
+  engines) engines ;;
   core311) core311 "$@" ;;
-  *) echo "usage: ./dev.sh demo|test|setup|core311 [args]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo|test|setup|engines|core311 [args]" >&2; exit 2 ;;
 esac

@@ -43,7 +43,7 @@ OFFSET = 2
 def hf_dict(cfg) -> dict:
     keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "n_routed_experts", "moe_intermediate_size", "n_shared_experts",
-            "first_k_dense_replace", "moe_layer_freq", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "first_k_dense_replace", "moe_layer_freq", "n_group", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers", "tie_word_embeddings")
     return {**{k: getattr(cfg, k) for k in keys}, "topk_method": "noaux_tc"}
 
@@ -378,9 +378,13 @@ def test_megatron_source_matches_megatron_spec():
 
 def test_import_needs_no_engine():
     import mcore_reshard.integrations.sglang_loader as sl
+    import mcore_reshard.integrations.vllm_transfer as vt
     import mcore_reshard.integrations.vllm_worker as vw
+    import mcore_reshard.integrations.probe  # noqa: F401
     assert callable(sl.load) and hasattr(vw.McoreReshardWorkerExtension, "mcore_reshard_refit")
+    assert vt.BACKEND == "mcore_reshard" and callable(vt.register)
     assert "vllm" not in sys.modules and "sglang" not in sys.modules    # nothing imported them
+    assert sl._server_args() == {}          # without SGLang: nothing to read, no error
 
 
 def test_hf_config_round_trip():

@@ -243,6 +243,12 @@ def vllm_reference(cfg, ckpt, rank, tp, dp=1, enable_expert_parallel=False, name
     local = rank - OFFSET
     t, s, d = local % tp, (local // tp) % pp, local // (tp * pp)
     E, N = cfg.n_routed_experts, cfg.num_hidden_layers
+    # vLLM 0.33 (checked against the real loaders in test_engines.py): round-robin needs several
+    # expert groups and, with DP > 1 (all-to-all kernels), the DeepEP-LL / NIXL backends; with EP,
+    # TP > 1 and DP > 1 the MoE is sequence-parallel and the shared experts are whole.
+    if expert_placement == "round_robin" and (getattr(cfg, "n_group", 1) <= 1 or dp > 1 or cfg.family != "deepseek_v3"):
+        expert_placement = "linear"
+    sp_moe = enable_expert_parallel and tp > 1 and dp > 1
     if enable_expert_parallel and dp * tp > 1:
         ep, r = dp * tp, d * tp + t
         if expert_placement == "linear":
@@ -260,8 +266,8 @@ def vllm_reference(cfg, ckpt, rank, tp, dp=1, enable_expert_parallel=False, name
         sizes[pp - 2 - k] += 1
     start = sum(sizes[:s])
     xp = "mlp.experts.routed_experts." if names == "current" else "mlp.experts."
-    kw = dict(attn=(tp, t), dense=(tp, t), shared=(tp, t), moe_tp=moe_tp, slots=slots, fuse=False,
-              fused_a="self_attn.fused_qkv_a_proj.weight", experts_prefix=xp)
+    kw = dict(attn=(tp, t), dense=(tp, t), shared=(1, 0) if sp_moe else (tp, t), moe_tp=moe_tp, slots=slots,
+              fuse=False, fused_a="self_attn.fused_qkv_a_proj.weight", experts_prefix=xp)
     ref = Ref()
     V, H = cfg.vocab_size, cfg.hidden_size
     first, last = s == 0, s == pp - 1
@@ -311,7 +317,8 @@ def sglang_reference(cfg, ckpt, rank, tp, dp=1, ep=1, enable_dp_attention=False,
                      moe_a2a_backend="none", moe_dense_tp_size=None, enable_dp_lm_head=False, mtp=False,
                      mtp_prefix="mtp."):
     t = (rank - OFFSET) % tp
-    a = tp // dp if enable_dp_attention else tp
+    a_par = tp // dp if enable_dp_attention else tp
+    a = a_par if cfg.family in ("deepseek_v3", "qwen3_moe") else tp   # SGLang's Llama attention: whole TP
     m = tp // ep
     E, N, V, H = cfg.n_routed_experts, cfg.num_hidden_layers, cfg.vocab_size, cfg.hidden_size
     fuse = fuse_shared_expert if fuse_shared_expert is not None else (
@@ -323,12 +330,15 @@ def sglang_reference(cfg, ckpt, rank, tp, dp=1, ep=1, enable_dp_attention=False,
               slots=slots, fuse=fuse, fused_a="self_attn.fused_qkv_a_proj_with_mqa.weight",
               experts_prefix="mlp.experts.")
     ref = Ref()
-    ref.vocab("model.embed_tokens.weight", V, H, *((1, 0) if enable_dp_attention else (tp, t)))
+    # SGLang 0.5.23 (checked against the real loaders in test_engines.py): under DP attention DeepSeek and
+    # Qwen3-MoE shard the embedding over the attention-TP group; Llama keeps the whole TP group.
+    attn_embed = enable_dp_attention and cfg.family in ("deepseek_v3", "qwen3_moe")
+    ref.vocab("model.embed_tokens.weight", V, H, *((a_par, t % a_par) if attn_embed else (tp, t)))
     for L in range(N):
         decoder_layer(ref, cfg, L, f"model.layers.{L}.", **kw)
     ref.replicated("model.norm.weight", (H,))
     if not cfg.tie_word_embeddings:
-        ref.vocab("lm_head.weight", V, H, *((a, t % a) if enable_dp_lm_head and enable_dp_attention else (tp, t)))
+        ref.vocab("lm_head.weight", V, H, *((a_par, t % a_par) if enable_dp_lm_head and enable_dp_attention else (tp, t)))
     experts = expert_mapping(E + (1 if fuse else 0), "experts.")
 
     def prepare(weights):
@@ -387,7 +397,8 @@ VLLM_CASES = [
     ("dsv3", dict(tp=2, dp=2, enable_expert_parallel=True)),                  # ep = 4
     ("dsv3", dict(tp=2, dp=2)),                                               # no EP: m = dp*tp = 4
     ("dsv3", dict(tp=1, dp=3, enable_expert_parallel=True)),                  # 8 experts over 3: 3, 3, 2
-    ("dsv3", dict(tp=2, dp=2, enable_expert_parallel=True, expert_placement="round_robin")),
+    ("dsv3", dict(tp=2, dp=2, enable_expert_parallel=True, expert_placement="round_robin")),   # -> linear
+    ("dsv3", dict(tp=4, enable_expert_parallel=True, expert_placement="round_robin")),         # kept: 4 groups
     ("dsv3", dict(tp=2, names="legacy")),
     ("dsv3", dict(tp=2, mtp=True)),
     ("dsv3", dict(tp=1, dp=2, enable_expert_parallel=True, mtp=True)),
@@ -527,7 +538,7 @@ def test_from_hf_config():
         hidden_size=64, num_hidden_layers=4, vocab_size=128, num_attention_heads=4, num_key_value_heads=4,
         intermediate_size=128, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, num_nextn_predict_layers=1)
+        v_head_dim=16, num_nextn_predict_layers=1, n_group=4, topk_group=2)
     assert from_hf_config(tiny) == dsv3_tiny()
     assert from_hf_config(tiny.to_dict()) == dsv3_tiny()
     q3 = transformers.Qwen3MoeConfig(hidden_size=64, num_hidden_layers=4, vocab_size=128, num_attention_heads=8,

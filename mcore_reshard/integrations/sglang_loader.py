@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
@@ -77,22 +78,46 @@ def sglang_tp_rank() -> int:
         return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _server_args() -> dict:
-    """Layout-relevant SGLang server arguments, when SGLang is importable."""
-    sa = None
+def _raw_server_args():
+    """SGLang's server arguments object, whichever release: 0.5.23+ ``runtime_context.get_server_args()``
+    (``get_global_server_args()`` there raises ``RuntimeError: ... retired``), older
+    ``server_args.get_global_server_args()``, oldest ``global_server_args_dict``.  None if unreadable
+    (SGLang missing or nothing published in this process)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        try:
+            sa = get_server_args()
+            if sa is not None:
+                return sa
+        except Exception:  # noqa: BLE001 - not published in this process
+            pass
+    except ImportError:
+        pass
     try:
         from sglang.srt.server_args import get_global_server_args
-        sa = get_global_server_args()
+        return get_global_server_args()
+    except (ImportError, RuntimeError, ValueError, AttributeError):
+        pass
+    try:
+        from sglang.srt.managers.schedule_batch import global_server_args_dict
+        return global_server_args_dict
     except ImportError:
-        try:
-            from sglang.srt.managers.schedule_batch import global_server_args_dict as sa
-        except ImportError:
-            return {}
+        return None
+
+
+def _server_args() -> dict:
+    """Layout-relevant SGLang server arguments, when SGLang is importable."""
+    sa = _raw_server_args()
+    if sa is None:
+        return {}
     get = (lambda k, d=None: sa.get(k, d)) if isinstance(sa, Mapping) else (lambda k, d=None: getattr(sa, k, d))
     out = {"tp": get("tp_size"), "dp": get("dp_size"), "ep": get("ep_size"),
            "enable_dp_attention": get("enable_dp_attention"), "moe_a2a_backend": get("moe_a2a_backend"),
            "moe_dense_tp_size": get("moe_dense_tp_size"), "enable_dp_lm_head": get("enable_dp_lm_head")}
-    return {k: v for k, v in out.items() if v is not None}
+    out = {k: v for k, v in out.items() if v is not None}
+    if str(os.environ.get("SGLANG_ENABLE_EMBED_REPLICATION", "")).lower() in ("1", "true", "yes"):
+        out["embed_replicated"] = True
+    return out
 
 
 def sglang_spec(model: torch.nn.Module, rank_offset: int, *, layout: Mapping | None = None, mtp: bool = False) -> dict:

@@ -80,12 +80,44 @@ def vllm_spec(worker, rank_offset: int, *, names: str = "auto", mtp: bool = Fals
                           "names": names, "mtp": bool(mtp)}
     placement = getattr(pc, "expert_placement_strategy", None)
     if placement in ("linear", "round_robin"):
-        kw["expert_placement"] = placement
+        kw["expert_placement"] = placement      # vllm_layout applies vLLM's fallbacks to linear
+    backend = getattr(pc, "all2all_backend", None)
+    if isinstance(backend, str):
+        kw["all2all_backend"] = backend
     part = os.environ.get("VLLM_PP_LAYER_PARTITION")
     if part and c["pp"] > 1:
         kw["pp_layer_partition"] = [int(x) for x in part.split(",")]
     kw.update(layout or {})
     return layout_spec("vllm", cfg, **kw)
+
+
+def _names_vote(live) -> str | None:
+    if any(".routed_experts." in n for n in live):
+        return "current"
+    if any(".mlp.experts.w13_weight" in n or ".mlp.experts.w2_weight" in n for n in live):
+        return "legacy"
+    return None
+
+
+def vllm_names(worker, live) -> str:
+    """``"current"`` / ``"legacy"`` expert parameter names, the same on every worker of the engine.
+
+    A worker's own parameters decide when it holds experts; a pipeline stage without MoE layers
+    cannot tell, so the stages agree over vLLM's PP group (collective over it when ``pp > 1``)."""
+    vote = _names_vote(live)
+    if vllm_coords(worker)["pp"] > 1:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group
+            votes: list = [None] * get_pp_group().world_size
+            import torch.distributed as dist
+            dist.all_gather_object(votes, vote, group=get_pp_group().cpu_group)
+        except ImportError:
+            votes = [vote]
+        known = {v for v in votes if v is not None}
+        if len(known) > 1:
+            raise ReshardError(f"pipeline stages disagree on vLLM's expert parameter names: {votes}")
+        vote = known.pop() if known else None
+    return vote or "current"
 
 
 class McoreReshardWorkerExtension:
@@ -152,7 +184,7 @@ class McoreReshardWorkerExtension:
             live, aliases = live_tensors(self._mr_models(mtp_on))
             if spec is None:
                 if names == "auto":
-                    names = "current" if any(".routed_experts." in n for n in live) else "legacy"
+                    names = vllm_names(self, live)
                 spec = vllm_spec(self, st["rank_offset"], names=names, mtp=mtp_on, layout=layout)
             dst, tensors, error = engine_destination(rank, spec, live, aliases, what="vLLM parameters",
                                                      ignore=ignore_params)
@@ -203,4 +235,4 @@ class McoreReshardWorkerExtension:
         return {"left": True}
 
 
-__all__ = ["MTP_PREFIX", "McoreReshardWorkerExtension", "vllm_coords", "vllm_spec"]
+__all__ = ["MTP_PREFIX", "McoreReshardWorkerExtension", "vllm_coords", "vllm_names", "vllm_spec"]

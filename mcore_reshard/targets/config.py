@@ -60,6 +60,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_bias: bool = False
+    n_group: int = 1                     # DeepSeek expert groups (grouped top-k); vLLM's round-robin needs > 1
     # MLA
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -125,7 +126,7 @@ def dsv3_671b() -> ModelConfig:
         model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, vocab_size=129280,
         num_attention_heads=128, num_key_value_heads=128, head_dim=64, intermediate_size=18432,
         n_routed_experts=256, moe_intermediate_size=2048, n_shared_experts=1, first_k_dense_replace=3,
-        router_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        router_bias=True, n_group=8, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, num_nextn_predict_layers=1, tie_word_embeddings=False)
 
 
@@ -135,7 +136,7 @@ def dsv3_tiny(num_nextn_predict_layers: int = 1, n_routed_experts: int = 8) -> M
         model_type="deepseek_v3", hidden_size=64, num_hidden_layers=4, vocab_size=128,
         num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=128,
         n_routed_experts=n_routed_experts, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1, router_bias=True, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        first_k_dense_replace=1, router_bias=True, n_group=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=num_nextn_predict_layers)
 
 
@@ -180,7 +181,7 @@ def from_hf_config(obj: Any) -> ModelConfig:
         topk = get("topk_method")
         kw.update(n_routed_experts=int(num("n_routed_experts")), moe_intermediate_size=int(num("moe_intermediate_size")),
                   n_shared_experts=int(num("n_shared_experts")), first_k_dense_replace=int(num("first_k_dense_replace")),
-                  moe_layer_freq=int(num("moe_layer_freq", 1)),
+                  moe_layer_freq=int(num("moe_layer_freq", 1)), n_group=int(num("n_group", 1)),
                   router_bias=(topk == "noaux_tc") if topk is not None else mt == "deepseek_v3",
                   q_lora_rank=get("q_lora_rank"), kv_lora_rank=int(num("kv_lora_rank")),
                   qk_nope_head_dim=int(num("qk_nope_head_dim")), qk_rope_head_dim=int(num("qk_rope_head_dim")),

@@ -5,9 +5,11 @@ of :mod:`mcore_reshard.targets.vllm`; what differs is who shards what (``tp_rank
 
     weight                        | split over (size, rank)
     attention (q_b, kv_b, o, qkv) | attention TP: a = tp/dp with --enable-dp-attention, else tp;
-                                  |  attn_tp_rank = tp_rank % a
+                                  |  attn_tp_rank = tp_rank % a (Llama: always tp)
     fused_qkv_a_proj_with_mqa     | replicated, [q_a_proj; kv_a_proj_with_mqa]
-    embed_tokens                  | (tp, tp_rank); replicated under DP attention
+    embed_tokens                  | (tp, tp_rank); under DP attention (a, attn_tp_rank) for DeepSeek
+                                  |  and Qwen3-MoE (``use_attn_tp_group``), (tp, tp_rank) for Llama;
+                                  |  replicated with SGLANG_ENABLE_EMBED_REPLICATION (DeepSeek)
     lm_head                       | (tp, tp_rank); (a, attn_tp_rank) with enable_dp_lm_head
     dense MLP (first_k_dense)     | (tp, tp_rank); replicated with moe_dense_tp_size=1
     experts                       | MoE-TP m = tp/ep, j = tp_rank % m; ep_rank = tp_rank // m owns
@@ -32,8 +34,7 @@ MTP decoder layer).  Its embedding and head are the target's tensors (``set_embe
 they have no buffers of their own.
 
 Not modelled: EPLB / redundant experts, pipeline parallelism, FlashInfer-TRTLLM ``[up; gate]``
-order, ``--enable-dp-attention`` embedding sharded over the attention TP group (newer SGLang:
-``use_attn_tp_group``), quantized parameters.
+order, quantized parameters.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from .config import ModelConfig
 from .vllm import EngineNames, LayoutBuilder, RankPlan
 
 A2A_REPLICATED_SHARED = ("deepep", "mooncake")
+DP_ATTENTION_FAMILIES = ("deepseek_v3", "qwen3_moe")   # their attention and embedding follow DP attention
 
 
 def default_fuse_shared_expert(config: ModelConfig, ep: int, moe_a2a_backend: str = "none") -> bool:
@@ -54,8 +56,11 @@ def default_fuse_shared_expert(config: ModelConfig, ep: int, moe_a2a_backend: st
 def sglang_layout(config: ModelConfig, tp: int, dp: int = 1, ep: int = 1, enable_dp_attention: bool = False,
                   fuse_shared_expert: bool | None = None, rank_offset: int = 0, dtype: str = "bfloat16", *,
                   moe_a2a_backend: str = "none", moe_dense_tp_size: int | None = None,
-                  enable_dp_lm_head: bool = False, mtp: bool = False, mtp_prefix: str = "mtp.") -> Layout:
-    """Layout of every rank of an SGLang deployment (``--tp tp --dp dp --ep ep``)."""
+                  enable_dp_lm_head: bool = False, embed_replicated: bool = False, mtp: bool = False,
+                  mtp_prefix: str = "mtp.") -> Layout:
+    """Layout of every rank of an SGLang deployment (``--tp tp --dp dp --ep ep``).
+
+    ``embed_replicated``: ``SGLANG_ENABLE_EMBED_REPLICATION`` (DeepSeek's embedding whole on every rank)."""
     cfg = config
     if tp % ep:
         raise LayoutError(f"ep={ep} must divide tp={tp}")
@@ -75,7 +80,11 @@ def sglang_layout(config: ModelConfig, tp: int, dp: int = 1, ep: int = 1, enable
     if E and E % ep:
         raise LayoutError(f"{E} experts are not divisible by ep={ep}")
     e_loc = E // ep
-    a = tp // dp if enable_dp_attention else tp
+    # attention TP width of the deployment (tp / dp with DP attention): the LM head with
+    # enable_dp_lm_head and the DP-attention families' attention and embedding use it; Llama's
+    # attention (SGLang 0.5.23 llama.py) stays on the whole TP group.
+    a_par = tp // dp if enable_dp_attention else tp
+    a = a_par if cfg.family in DP_ATTENTION_FAMILIES else tp
     m = tp // ep
     b = LayoutBuilder(cfg, dtype, EngineNames(fused_qkv_a="self_attn.fused_qkv_a_proj_with_mqa.weight",
                                               experts="mlp.experts."))
@@ -85,12 +94,21 @@ def sglang_layout(config: ModelConfig, tp: int, dp: int = 1, ep: int = 1, enable
             rank = rank_offset + d * tp + t
             ep_rank = t // m
             attn = (a, t % a)
+            attn_par = (a_par, t % a_par)
+            # SGLang 0.5.23: DeepSeek (get_embedding_tp_kwargs) and Qwen2/3-MoE shard the embedding over
+            # the attention-TP group under DP attention; Llama's stays on the whole TP group.
+            if embed_replicated and cfg.family == "deepseek_v3":
+                embed = (1, 0)
+            elif enable_dp_attention and cfg.family in DP_ATTENTION_FAMILIES:
+                embed = attn_par
+            else:
+                embed = (tp, t)
             plan = RankPlan(
                 attn=attn,
                 dense=(1, 0) if moe_dense_tp_size == 1 else (tp, t),
                 shared=(1, 0) if moe_a2a_backend in A2A_REPLICATED_SHARED else (tp, t),
-                embed=(1, 0) if enable_dp_attention else (tp, t),
-                head=attn if enable_dp_lm_head and enable_dp_attention else (tp, t),
+                embed=embed,
+                head=attn_par if enable_dp_lm_head and enable_dp_attention else (tp, t),
                 final_norm=True, moe_tp=(m, t % m), experts=tuple(range(ep_rank * e_loc, (ep_rank + 1) * e_loc)),
                 fuse_shared=fuse, layers=(0, cfg.num_hidden_layers))
             if cfg.tie_word_embeddings:

@@ -36,7 +36,11 @@ model's parameters, prefixed with ``mtp_prefix`` so they do not collide with the
 shared_head.norm}`` (replicated), ``model.layers.{N}.shared_head.head.weight`` (= ``lm_head``,
 vocab-parallel) and ``model.layers.{N}.mtp_block.*`` (a normal decoder layer).
 
-Not modelled: EPLB / redundant experts, sequence-parallel MoE (replicated shared experts), ROCm
+Sequence-parallel MoE (EP, TP > 1, DP > 1 with the default all-to-all backend): shared experts are
+whole on every rank.  Round-robin expert placement is applied only where vLLM applies it (several
+expert groups; with DP > 1 only the DeepEP low-latency / NIXL EP backends), else linear.
+
+Not modelled: EPLB / redundant experts, ROCm
 AITER shared-expert fusion, DCP q replication, quantized (FP8 scale) parameters, MTP with PP > 1.
 """
 from __future__ import annotations
@@ -389,16 +393,57 @@ def pp_partition(num_layers: int, pp: int, partition: Sequence[int] | None = Non
     return out
 
 
+# vLLM 0.33 ``ParallelConfig.use_sequence_parallel_moe``: with one of these all-to-all backends, EP,
+# TP > 1 and DP > 1, the MoE input is sequence-parallel and the shared experts are whole on every rank.
+SEQUENCE_PARALLEL_MOE_BACKENDS = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency",
+                                  "deepep_v2", "flashinfer_nvlink_one_sided", "passthrough", "mori_high_throughput",
+                                  "mori_low_latency", "nixl_ep")
+# ``needs_round_robin_routing_tables``: the only all-to-all backends that keep round-robin placement.
+ROUND_ROBIN_BACKENDS = ("deepep_low_latency", "nixl_ep")
+DEFAULT_ALL2ALL_BACKEND = "allgather_reducescatter"
+
+
+def sequence_parallel_moe(tp: int, dp: int, enable_expert_parallel: bool,
+                          all2all_backend: str = DEFAULT_ALL2ALL_BACKEND) -> bool:
+    """vLLM ``ParallelConfig.use_sequence_parallel_moe``."""
+    return all2all_backend in SEQUENCE_PARALLEL_MOE_BACKENDS and enable_expert_parallel and tp > 1 and dp > 1
+
+
+def effective_expert_placement(config: ModelConfig, placement: str, tp: int, dp: int, enable_expert_parallel: bool,
+                               all2all_backend: str = DEFAULT_ALL2ALL_BACKEND) -> str:
+    """The placement vLLM really uses (``determine_expert_placement_strategy``, 0.33): round-robin
+    falls back to linear unless the model has several expert groups (DeepSeek ``n_group > 1``;
+    Qwen3-MoE has none) and, when the all-to-all kernels are in use (EP with DP > 1, or
+    sequence-parallel MoE), the backend is DeepEP low-latency or NIXL EP."""
+    if placement != "round_robin":
+        return placement
+    groups = config.n_group if config.family == "deepseek_v3" else 1
+    if groups <= 1:
+        return "linear"
+    all2all = enable_expert_parallel and (dp > 1 or sequence_parallel_moe(tp, dp, enable_expert_parallel,
+                                                                            all2all_backend))
+    if all2all and all2all_backend not in ROUND_ROBIN_BACKENDS:
+        return "linear"
+    return placement
+
+
 def vllm_layout(config: ModelConfig, tp: int, dp: int = 1, enable_expert_parallel: bool = False,
                 rank_offset: int = 0, dtype: str = "bfloat16", names: str = "current", *, pp: int = 1,
                 pp_layer_partition: Sequence[int] | None = None, expert_placement: str = "linear",
-                mtp: bool = False, mtp_prefix: str = "mtp.") -> Layout:
-    """Layout of every rank of a vLLM deployment of ``config`` (``dp * pp * tp`` ranks)."""
+                all2all_backend: str = DEFAULT_ALL2ALL_BACKEND, mtp: bool = False, mtp_prefix: str = "mtp.") -> Layout:
+    """Layout of every rank of a vLLM deployment of ``config`` (``dp * pp * tp`` ranks).
+
+    ``expert_placement`` is the configured ``expert_placement_strategy``; the layout uses the one
+    vLLM really applies (:func:`effective_expert_placement`).  ``all2all_backend`` (vLLM's
+    ``--all2all-backend``) decides that and whether the MoE is sequence-parallel
+    (:func:`sequence_parallel_moe`: shared experts whole on every rank)."""
     if names not in ("current", "legacy"):
         raise ValueError(f"names must be 'current' or 'legacy', not {names!r}")
     if expert_placement not in ("linear", "round_robin"):
         raise ValueError(f"expert_placement must be 'linear' or 'round_robin', not {expert_placement!r}")
     cfg = config
+    expert_placement = effective_expert_placement(cfg, expert_placement, tp, dp, enable_expert_parallel, all2all_backend)
+    sp_moe = sequence_parallel_moe(tp, dp, enable_expert_parallel, all2all_backend)
     if mtp and not cfg.mtp_layers:
         raise LayoutError("mtp=True but the config has no MTP layers (num_nextn_predict_layers = 0)")
     if mtp and pp > 1:
@@ -422,7 +467,7 @@ def vllm_layout(config: ModelConfig, tp: int, dp: int = 1, enable_expert_paralle
                     experts, moe_tp = tuple(range(E)), (dp * tp, flat)
                 first, last = s == 0, s == pp - 1
                 plan = RankPlan(
-                    attn=(tp, t), dense=(tp, t), shared=(tp, t),
+                    attn=(tp, t), dense=(tp, t), shared=(1, 0) if sp_moe else (tp, t),
                     embed=(tp, t) if first or (last and cfg.tie_word_embeddings) else None,
                     head=(tp, t) if last and not cfg.tie_word_embeddings else None,
                     final_norm=last, moe_tp=moe_tp, experts=experts, fuse_shared=False, layers=stages[s])
@@ -445,6 +490,6 @@ def _vllm_mtp(b: LayoutBuilder, rank: int, plan: RankPlan, prefix: str) -> None:
     b.add(rank, bufs)
 
 
-__all__ = ["EngineNames", "LayoutBuilder", "RankPlan", "experts_w13", "experts_w2", "linear_expert_map",
+__all__ = ["DEFAULT_ALL2ALL_BACKEND", "EngineNames", "effective_expert_placement", "sequence_parallel_moe", "LayoutBuilder", "RankPlan", "experts_w13", "experts_w2", "linear_expert_map",
            "merged_column", "pad_vocab", "pp_partition", "qkv_parallel", "replicated", "sharded", "vllm_layout",
            "vocab_parallel"]
