@@ -3,20 +3,20 @@ each ``refit()`` moves the bytes; keeps versions, interruptions and the group (`
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Mapping
 
 import torch
-
 import torch.distributed as dist
 
 from ..planner import Plan
 from . import rounds as _rounds
 from .binding import bind
 from .checksum import checksum
-from .common import group_device
+from .common import check_timeout, group_device, group_timeout
 from .errors import ReshardError, TransferError
-from .handshake import agree, exchange, step_mismatch
+from .handshake import agree, exchange, group_guard, refit_start, step_mismatch
 from .validation import check_binding
 
 
@@ -39,37 +39,58 @@ class Resharder:
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                  group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
-                 staging: torch.Tensor | None = None, overlap: bool | None = None):
+                 staging: torch.Tensor | None = None, overlap: bool | None = None, layouts=None):
+        self._timeout_arg = check_timeout(timeout)
+        if overlap not in (None, True, False) or not isinstance(verify, bool) or not isinstance(confirm, bool):
+            raise ValueError(f"overlap={overlap!r} (None, True or False), verify={verify!r}, confirm={confirm!r} (True or False)")
         self._shared_staging = staging
+        self._layouts = layouts
         self.overlap = overlap
         self.plan = plan
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.timeout_s = None if timeout is None else float(timeout)
-        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self._set_timeout()
         self.verify = bool(verify)
         self.confirm = bool(confirm)
-        self.src = dict(src)
-        self.dst = dict(dst)
+        # detached views share the caller's storage: refits copy_ into them without autograd
+        # (nn.Parameter sources / destinations stay leaves, requires_grad and all)
+        self.src = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
+        self.dst = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
         self.version = 0                   # last refit version confirmed complete
         self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
         self._interrupted: dict | None = None
-        self._needs_handshake = False
+        self._sources_changed = False
+        self._dirty = False                # an interrupted refit may have left operations pending on the group
         # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
-        # every retry and every refit's confirmation carry it; the bound plan is not to be changed
+        # every refit's start and confirmation carry it; the bound plan is not to be changed
         self._digest = plan.hash
-        agree(group, self._digest, self._validate(), options=self._options(), timeout=self.timeout_s)
-        self._bind()
+        # the binding id: rank 0's random token, agreed in the handshake; every refit start
+        # compares it, so two Resharders over one group can never exchange each other's bytes
+        errors = self._validate()
+        if not errors:
+            try:     # views and staging before the handshake: a failure here (memory) reaches every rank
+                self._bind()
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"rank {self.rank}: binding failed: {type(e).__name__}: {str(e)[:300]}")
+        with group_guard(group, self.rank, "bind a Resharder"):
+            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s,
+                         token=int.from_bytes(os.urandom(8), "little"))
+        self._token = msgs[0]["token"]
+
+    def _set_timeout(self) -> None:
+        self.timeout_s = self._timeout_arg if self._timeout_arg is not None else group_timeout(self.group)
+        self.timeout = datetime.timedelta(seconds=self.timeout_s)
 
     # ------------------------------------------------------------------ validation and binding
 
     def _options(self) -> str:
-        return f"verify={int(self.verify)},confirm={int(self.confirm)}"
+        return f"verify={int(self.verify)},confirm={int(self.confirm)},overlap={int(self.overlapped())}"
 
     def _validate(self) -> list[str]:
         try:
-            return check_binding(self.plan, self.rank, self.world, self.group, self.src, self.dst, self.overlap)
+            return check_binding(self.plan, self.rank, self.world, self.group, self.src, self.dst, self.overlap,
+                                 self._shared_staging, self._layouts)
         except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
             return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
 
@@ -94,7 +115,8 @@ class Resharder:
     def rebind(self, group=None) -> None:
         """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke
         the old one: gloo closes its pairs on a timeout; NCCL communicators must be aborted).
-        Re-runs the construction handshake; staging buffers, views and recorded versions stay."""
+        Re-runs the construction handshake (every rank must rebind the same Resharder); staging
+        buffers, views and recorded versions stay.  ``timeout=None`` follows the new group's timeout."""
         rank = dist.get_rank(group)
         errors = []
         if rank != self.rank:
@@ -102,9 +124,15 @@ class Resharder:
                           "the new group must keep every rank's number")
         self.group = group
         self.world = dist.get_world_size(group)
+        self._set_timeout()
         errors = errors or self._validate()
-        agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s)
-        self._needs_handshake = False
+        with group_guard(group, self.rank, "rebind"):
+            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s, token=self._token)
+        tokens = sorted({m["token"] for m in msgs})
+        if len(tokens) > 1:
+            raise ReshardError(f"rank {self.rank}: rebind refused: ranks rebind different Resharders "
+                               f"(binding ids {[f'{t:016x}' for t in tokens]})")
+        self._dirty = False
 
     # ------------------------------------------------------------------ state
 
@@ -142,20 +170,39 @@ class Resharder:
         """Move every byte of the plan once (collective); returns counts (messages and bytes sent by
         this rank) and the version.
 
-        ``version`` labels what the destination now holds (e.g. the training step); default: last
-        completed version + 1, so a retry after an interrupted refit reuses the interrupted number.
-        After an interruption the next call first re-checks the group (a collective handshake) and
-        then rewrites every destination buffer; if the group is broken it raises at once: call
-        :meth:`rebind` with a fresh group, then ``refit()`` again.
+        Every refit starts with a collective check (:func:`~.handshake.refit_start`) before any
+        byte moves: all ranks refit this same Resharder (plan digest + binding id), with the same
+        options and version.  ``version`` labels what the destination now holds (e.g. the
+        training step); default: the highest of every rank's last completed version + 1, so ranks
+        that disagree after an interruption converge.  After an interruption that may have left
+        operations pending on the group the refit is refused on every rank: call :meth:`rebind`
+        with a fresh group on every rank, then ``refit()`` again.  The caller must not write the
+        source tensors while a refit runs (``verify=True`` detects it).
         """
-        v = self.version + 1 if version is None else int(version)
-        if self._needs_handshake and self.confirm:
-            try:
-                agree(self.group, self._digest, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
-            except ReshardError as e:
-                raise ReshardError(f"rank {self.rank}: cannot retry refit {v}: {e} -- after an interrupted refit on a "
-                                   "broken process group, call rebind(new_group) on every rank first") from e
-            self._needs_handshake = False
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version={version!r}: must be a non-negative integer (or None)")
+        with group_guard(self.group, self.rank, "refit"), torch.no_grad():
+            return self._refit(version)
+
+    def _refit(self, version: int | None) -> dict:
+        proposal = self.version + 1 if version is None else version
+        t0 = time.monotonic()
+        try:
+            v = refit_start(self.group, rank=self.rank, digest=self._digest, token=self._token, proposal=proposal,
+                            explicit=version is not None, options=self._options(), dirty=self._dirty,
+                            timeout=self.timeout_s)
+        except ReshardError:
+            raise        # refused on every rank before any byte moved; nothing changed here
+        except BaseException as e:  # noqa: BLE001 - a peer died or the group is broken
+            self._interrupted = {"version": proposal, "round": 0, "error": f"{type(e).__name__}: {e}"}
+            self._dirty = True
+            if not isinstance(e, Exception):
+                raise
+            raise TransferError(
+                f"refit {proposal}: rank {self.rank} could not start: the refit start exchange failed after "
+                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): a peer died, stalled or the process group "
+                f"is broken; no byte moved -- call rebind(new_group) on every rank, then refit() again; "
+                f"cause: {type(e).__name__}: {str(e)[:300]}", version=proposal, round=0) from e
         problems: list[str] = []
         try:
             stats = self._transfer(v, problems)
@@ -163,11 +210,10 @@ class Resharder:
                 self._confirm(v, problems)
         except TransferError as e:
             self._interrupted = {"version": v, "round": e.round, "error": str(e)}
-            self._needs_handshake = True
             raise
         except BaseException as e:  # noqa: BLE001 - anything else that stops a refit half-way
             self._interrupted = {"version": v, "round": None, "error": f"{type(e).__name__}: {e}"}
-            self._needs_handshake = True
+            self._dirty = True
             raise
         self.version = v
         self._interrupted = None
@@ -175,6 +221,8 @@ class Resharder:
         return stats
 
     def _transfer(self, v: int, problems: list[str]) -> dict:
+        """Local copies and padding, then every round; ``problems`` collects verify failures."""
+        src_sums = {n: checksum(t) for n, t in self.src.items()} if self.verify else {}
         self._stage_begin(-1)
         for view, _ in self.padding:
             view.zero_()
@@ -189,15 +237,30 @@ class Resharder:
         run_round = _rounds.round_overlapped if self.overlapped() else _rounds.round_batched
         for i, rnd in enumerate(self.rounds):
             self._stage_begin(i)
+            self._dirty = True      # operations of this round may stay pending if it is interrupted
             run_round(self, v, i, rnd, problems, bad_buffers)
+            self._dirty = False
             self._stage_end(i, v)
             nmsg += len(rnd.sends)
             sent += sum(b.numel() for _, b, *_ in rnd.sends)
+        changed = sorted(n for n, t in self.src.items() if not torch.equal(checksum(t), src_sums[n])) if self.verify else []
+        if changed:
+            self._sources_changed = True
+            problems.insert(0, f"source tensor(s) {', '.join(changed[:4])} on rank {self.rank} changed during refit {v} "
+                            "(the caller must not write the sources while a refit runs): what was sent mixes versions")
         for name in bad_buffers:
             self._buffer_version[name] = None
         if problems and not self.confirm:
+            if changed:
+                self._drop_version(v)
             raise TransferError(f"refit {v} on rank {self.rank} failed verification: " + "; ".join(problems[:8]), version=v)
         return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+
+    def _drop_version(self, v: int) -> None:
+        """Buffers written by refit ``v`` hold no trustworthy version (a source changed under it)."""
+        for name, have in self._buffer_version.items():
+            if have == v:
+                self._buffer_version[name] = None
 
     def overlapped(self) -> bool:
         """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.
@@ -214,9 +277,13 @@ class Resharder:
     def _confirm(self, v: int, problems: list[str]) -> None:
         """Every rank reports (version, ok); raise unless every rank landed this version."""
         t0 = time.monotonic()
+        changed, self._sources_changed = self._sources_changed, False
+        self._dirty = True
         try:
             msgs = exchange(self.group, 3, digest=self._digest, version=v, ok=not problems,
-                            text="; ".join(problems[:8]), timeout=self.timeout_s)
+                            text="; ".join(problems[:8]), timeout=self.timeout_s, token=self._token,
+                            flags=1 if changed else 0)
+            self._dirty = False
         except Exception as e:  # noqa: BLE001
             raise TransferError(
                 f"refit {v}: rank {self.rank} finished its rounds but the final confirmation failed after "
@@ -225,6 +292,13 @@ class Resharder:
                 version=v, round=0) from e
         step = step_mismatch(msgs, 3)
         failed = [r for r, m in enumerate(msgs) if not m["ok"]]
+        foreign = sorted(r for r, m in enumerate(msgs) if (m["digest"], m["token"]) != (self._digest, self._token))
+        if any(m["flags"] & 1 for m in msgs) or step or foreign:
+            self._drop_version(v)
+        if foreign and not step:
+            raise TransferError(f"refit {v} did not complete everywhere (rank {self.rank}): ranks {foreign} confirmed "
+                                "another Resharder's refit (plan digest / binding id differ): what arrived here is "
+                                "not trusted", version=v, round=0, peers=foreign)
         versions = sorted({m["version"] for m in msgs})
         if step or failed or len(versions) > 1:
             text = f"refit {v} did not complete everywhere (rank {self.rank}):"
