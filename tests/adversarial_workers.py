@@ -278,6 +278,10 @@ def misuse(rank: int, world: int) -> dict:
     r.refit()
     rev = dist.new_group([0, 1])
     res["rebind_same_ok"] = outcome(lambda: (r.rebind(rev), r.refit()["version"])[1])
+    # wrong order: rank 0 refits while rank 1 rebinds; then both refit
+    res["wrong_order"] = outcome(lambda: (r.refit() if rank == 0 else r.rebind(r.group)) and None)
+    res["wrong_order_then"] = outcome(lambda: r.refit()["version"])
+    res["wrong_order_exact"] = same_bits(cut(dst, rank, full, 0), D)
     # rebind where only one rank rebinds this Resharder and the other a different one
     S2, D2 = _fresh(rank, src, dst, full)
     r2 = Resharder(plan, S2, D2, timeout=10)

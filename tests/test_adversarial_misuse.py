@@ -125,6 +125,10 @@ def test_rebind_misuse(misuse):
     for r in misuse:
         assert r["rebind_same_ok"]["type"] is None and r["rebind_same_ok"]["result"] == 2
         assert r["rebind_different"]["type"] == "ReshardError" and "different Resharders" in r["rebind_different"]["error"]
+        # wrong order (a refit on one rank meets a rebind on the other): refused on both, then fine
+        assert r["wrong_order"]["type"] == "ReshardError", r["wrong_order"]
+        assert "different protocol steps" in r["wrong_order"]["error"], r["wrong_order"]["error"]
+        assert r["wrong_order_then"]["type"] is None and r["wrong_order"] and r["wrong_order_exact"], r["wrong_order_then"]
 
 
 def test_every_dtype_and_shape_bit_exact(misuse):

@@ -783,7 +783,8 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
         if meta is None:
             bad(f"{where}: tensor {c.tensor} is not in the plan's tensors")
             return
-        if not (ints(c.src, c.dst, c.nbytes, c.offset) and all(ints(*b.offsets, *b.sizes) for b in (c.box, c.src_local, c.dst_local))):
+        if not ints(c.src, c.dst, c.nbytes, c.offset, *c.box.offsets, *c.box.sizes, *c.src_local.offsets,
+                    *c.src_local.sizes, *c.dst_local.offsets, *c.dst_local.sizes):
             bad(f"{where}: copy of {c.tensor}: ranks, boxes, offset and byte count must be integers: {list(c)}")
             return
         if c.box.ndim != len(meta["shape"]) or not Box.full(meta["shape"]).contains(c.box):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Mapping
 
 import torch
@@ -13,10 +12,10 @@ import torch.distributed as dist
 from ..planner import Plan
 from . import rounds as _rounds
 from .binding import bind
-from .checksum import checksum
 from .common import check_timeout, group_device, group_timeout
-from .errors import ReshardError, TransferError
-from .handshake import agree, exchange, group_guard, refit_start, step_mismatch
+from .errors import ReshardError
+from .handshake import agree, group_guard
+from .transfer import run_refit
 from .validation import check_binding
 
 
@@ -27,7 +26,8 @@ class Resharder:
     none); they must be exactly the buffers the plan gives this rank.  Source tensors are only read
     (a destination tensor sharing memory with a source is refused).  ``timeout`` (seconds) bounds
     the handshake, every round and the final confirmation: a dead or stalled peer makes every rank
-    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout).
+    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout;
+    never unbounded).
     ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
     must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
     ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
@@ -35,6 +35,9 @@ class Resharder:
     buffer, when at least :func:`staging_size` bytes (shared by Resharders run one after another).
     ``overlap``: how a round moves its messages (see :meth:`overlapped`); ``None`` (default): overlapped
     on gloo, one grouped ``batch_isend_irecv`` per round on every other backend (NCCL).
+    ``layouts``: ``(src_layout, dst_layout)`` the plan claims to come from; when given, every copy
+    of this rank is checked against them before a byte moves (``MegatronRefit`` passes them).
+    Refits run without autograd on detached views (``nn.Parameter`` tensors stay as they are).
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
@@ -158,14 +161,6 @@ class Resharder:
 
     # ------------------------------------------------------------------ refit
 
-    def _stage_begin(self, stage: int) -> None:
-        for name in self._first_stage.get(stage, ()):
-            self._buffer_version[name] = None
-
-    def _stage_end(self, stage: int, version: int) -> None:
-        for name in self._last_stage.get(stage, ()):
-            self._buffer_version[name] = version
-
     def refit(self, version: int | None = None) -> dict:
         """Move every byte of the plan once (collective); returns counts (messages and bytes sent by
         this rank) and the version.
@@ -182,85 +177,7 @@ class Resharder:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r}: must be a non-negative integer (or None)")
         with group_guard(self.group, self.rank, "refit"), torch.no_grad():
-            return self._refit(version)
-
-    def _refit(self, version: int | None) -> dict:
-        proposal = self.version + 1 if version is None else version
-        t0 = time.monotonic()
-        try:
-            v = refit_start(self.group, rank=self.rank, digest=self._digest, token=self._token, proposal=proposal,
-                            explicit=version is not None, options=self._options(), dirty=self._dirty,
-                            timeout=self.timeout_s)
-        except ReshardError:
-            raise        # refused on every rank before any byte moved; nothing changed here
-        except BaseException as e:  # noqa: BLE001 - a peer died or the group is broken
-            self._interrupted = {"version": proposal, "round": 0, "error": f"{type(e).__name__}: {e}"}
-            self._dirty = True
-            if not isinstance(e, Exception):
-                raise
-            raise TransferError(
-                f"refit {proposal}: rank {self.rank} could not start: the refit start exchange failed after "
-                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): a peer died, stalled or the process group "
-                f"is broken; no byte moved -- call rebind(new_group) on every rank, then refit() again; "
-                f"cause: {type(e).__name__}: {str(e)[:300]}", version=proposal, round=0) from e
-        problems: list[str] = []
-        try:
-            stats = self._transfer(v, problems)
-            if self.confirm:
-                self._confirm(v, problems)
-        except TransferError as e:
-            self._interrupted = {"version": v, "round": e.round, "error": str(e)}
-            raise
-        except BaseException as e:  # noqa: BLE001 - anything else that stops a refit half-way
-            self._interrupted = {"version": v, "round": None, "error": f"{type(e).__name__}: {e}"}
-            self._dirty = True
-            raise
-        self.version = v
-        self._interrupted = None
-        stats["version"] = v
-        return stats
-
-    def _transfer(self, v: int, problems: list[str]) -> dict:
-        """Local copies and padding, then every round; ``problems`` collects verify failures."""
-        src_sums = {n: checksum(t) for n, t in self.src.items()} if self.verify else {}
-        self._stage_begin(-1)
-        for view, _ in self.padding:
-            view.zero_()
-        bad_buffers = set()
-        for d, s, c in self.local:
-            d.copy_(s.reshape(d.shape))
-            if self.verify and d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
-                problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
-                bad_buffers.add(c.dst_buffer)
-        self._stage_end(-1, v)
-        sent = nmsg = 0
-        run_round = _rounds.round_overlapped if self.overlapped() else _rounds.round_batched
-        for i, rnd in enumerate(self.rounds):
-            self._stage_begin(i)
-            self._dirty = True      # operations of this round may stay pending if it is interrupted
-            run_round(self, v, i, rnd, problems, bad_buffers)
-            self._dirty = False
-            self._stage_end(i, v)
-            nmsg += len(rnd.sends)
-            sent += sum(b.numel() for _, b, *_ in rnd.sends)
-        changed = sorted(n for n, t in self.src.items() if not torch.equal(checksum(t), src_sums[n])) if self.verify else []
-        if changed:
-            self._sources_changed = True
-            problems.insert(0, f"source tensor(s) {', '.join(changed[:4])} on rank {self.rank} changed during refit {v} "
-                            "(the caller must not write the sources while a refit runs): what was sent mixes versions")
-        for name in bad_buffers:
-            self._buffer_version[name] = None
-        if problems and not self.confirm:
-            if changed:
-                self._drop_version(v)
-            raise TransferError(f"refit {v} on rank {self.rank} failed verification: " + "; ".join(problems[:8]), version=v)
-        return {"messages_sent": nmsg, "staged_bytes_sent": sent}
-
-    def _drop_version(self, v: int) -> None:
-        """Buffers written by refit ``v`` hold no trustworthy version (a source changed under it)."""
-        for name, have in self._buffer_version.items():
-            if have == v:
-                self._buffer_version[name] = None
+            return run_refit(self, version)
 
     def overlapped(self) -> bool:
         """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.
@@ -273,39 +190,3 @@ class Resharder:
         reason (construction and :meth:`rebind` raise).  The environment variable ``MCORE_RESHARD_OVERLAP`` (``0``/``1``) overrides the
         default choice (benchmarks); an explicit ``overlap`` argument wins over it."""
         return _rounds.use_overlap(self.group, self.overlap)
-
-    def _confirm(self, v: int, problems: list[str]) -> None:
-        """Every rank reports (version, ok); raise unless every rank landed this version."""
-        t0 = time.monotonic()
-        changed, self._sources_changed = self._sources_changed, False
-        self._dirty = True
-        try:
-            msgs = exchange(self.group, 3, digest=self._digest, version=v, ok=not problems,
-                            text="; ".join(problems[:8]), timeout=self.timeout_s, token=self._token,
-                            flags=1 if changed else 0)
-            self._dirty = False
-        except Exception as e:  # noqa: BLE001
-            raise TransferError(
-                f"refit {v}: rank {self.rank} finished its rounds but the final confirmation failed after "
-                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): another rank died or stopped part-way; "
-                f"{'this rank: ' + '; '.join(problems[:4]) + '; ' if problems else ''}cause: {type(e).__name__}: {str(e)[:300]}",
-                version=v, round=0) from e
-        step = step_mismatch(msgs, 3)
-        failed = [r for r, m in enumerate(msgs) if not m["ok"]]
-        foreign = sorted(r for r, m in enumerate(msgs) if (m["digest"], m["token"]) != (self._digest, self._token))
-        if any(m["flags"] & 1 for m in msgs) or step or foreign:
-            self._drop_version(v)
-        if foreign and not step:
-            raise TransferError(f"refit {v} did not complete everywhere (rank {self.rank}): ranks {foreign} confirmed "
-                                "another Resharder's refit (plan digest / binding id differ): what arrived here is "
-                                "not trusted", version=v, round=0, peers=foreign)
-        versions = sorted({m["version"] for m in msgs})
-        if step or failed or len(versions) > 1:
-            text = f"refit {v} did not complete everywhere (rank {self.rank}):"
-            if step:
-                text += " " + step
-            elif failed:
-                text += " " + "; ".join(f"rank {r}: {msgs[r]['text']}" for r in failed)
-            if not step and len(versions) > 1:
-                text += f" ranks refit different versions {versions}"
-            raise TransferError(text, version=v, round=0, peers=failed)
