@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .core.executor import ReshardError, Resharder, agree, all_gather_json
+from .core.executor.common import check_timeout
 from .mapper.family import canonicalize, load_family
 from .fp8.plan import make_fp8_plan
 from .fp8.refit import Fp8Resharder
@@ -86,6 +87,9 @@ class MegatronRefit:
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
                  timeout: float | None = None, verify: bool = False, quantize=None):
+        timeout = check_timeout(timeout)     # bad numbers: refused here, before anything is exchanged
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1024:
+            raise ValueError(f"budget_bytes={budget_bytes!r}: must be an integer number of bytes >= 1024")
         rank = dist.get_rank(group)
         payload, src_t, dst_t = {"error": None}, {}, {}
         try:
@@ -135,7 +139,8 @@ class MegatronRefit:
         if quantize is not None:
             self.resharder = Fp8Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
         else:
-            self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
+            self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify,
+                                       layouts=(self.src_layout, self.dst_layout))
 
     def refit(self, version: int | None = None) -> dict:
         return self.resharder.refit(version)

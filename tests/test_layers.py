@@ -32,7 +32,7 @@ PURE = ("core.box", "core.mesh", "core.layout", "core.planner", "mapper", "targe
 # tiny test models' pipeline-parallel forward (activations, not weights)
 P2P = ("core.executor", "tools.bench.live", "testing.tiny_models")   # + the tiny models' pipeline forward
 # units still being split (must shrink to empty; each entry is a module or a function / class)
-KNOWN_LONG = {"core.executor.resharder.Resharder", "targets.vllm.LayoutBuilder", "integrations.vllm_transfer._classes"}
+KNOWN_LONG = {"core.executor.resharder.Resharder"}
 P2P_CALL = re.compile(r"\b(isend|irecv|batch_isend_irecv|P2POp)\b|\bdist\.(send|recv)\(")
 
 

@@ -223,7 +223,7 @@ EXPECTED = {
     "dst non-contiguous": "rank 1: dst tensor model.norm.weight is not contiguous",
     "double write": "is written twice",
     "hole": "the plan writes",
-    "options differ": "options differ between ranks: verify=0,confirm=1 on ranks [1]; verify=1,confirm=1 on ranks [0]",
+    "options differ": "options differ between ranks: verify=0,confirm=1,overlap=1 on ranks [1]; verify=1,confirm=1,overlap=1 on ranks [0]",
 }
 
 

@@ -27,6 +27,9 @@ class Box:
     def __post_init__(self):
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
+        for x in self.offsets + self.sizes:
+            if type(x) is not int:
+                raise ValueError(f"box {self}: offsets and sizes must be integers, got {x!r} ({type(x).__name__})")
         if self.sizes and (min(self.sizes) < 0 or min(self.offsets) < 0):
             raise ValueError(f"box with negative offset or size: {self}")
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .box import Box, split_sizes
-from .layout import Buffer, Layout, Piece
+from .layout import Buffer, Layout, Piece, check_shape
 from .mesh import Mesh
 
 Interval = tuple[int, int]   # (global offset, length) along one tensor dim
@@ -49,8 +49,12 @@ def _split(intervals: list[Interval], parts: int, index: int) -> list[Interval]:
 def local_intervals(global_shape: Sequence[int], mesh_sizes: Sequence[int], coord: Sequence[int],
                     placements: Sequence) -> list[list[Interval]]:
     """Per tensor dim, the global intervals this coordinate holds, in local order."""
-    dims = [[(0, int(s))] for s in global_shape]
+    global_shape = check_shape(global_shape, "global shape")
+    dims = [[(0, s)] for s in global_shape]
     for size, c, p in zip(mesh_sizes, coord, placements):
+        dim = getattr(p, "dim", None)
+        if isinstance(p, Shard) and (type(dim) is not int or not -len(dims) <= dim < len(dims)):
+            raise ValueError(f"placement {p}: dim {dim!r} is out of range for a tensor of shape {list(global_shape)}")
         if isinstance(p, _StridedShard):
             total = sum(n for _, n in dims[p.dim])
             seg_sizes = split_sizes(total, p.split_factor, "chunk")

@@ -49,6 +49,26 @@ def _inside(box: Box, shape: Sequence[int]) -> bool:
     return True
 
 
+def check_shape(shape, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints; LayoutError for a negative, fractional or non-numeric size
+    (``2.5`` is refused, not truncated to 2)."""
+    import operator
+    try:
+        dims = list(shape)
+    except TypeError:
+        raise LayoutError(f"{what}: shape {shape!r} is not a sequence of sizes") from None
+    out = []
+    for d in dims:
+        try:
+            n = operator.index(d) if not isinstance(d, bool) else None
+        except TypeError:
+            n = None
+        if n is None or n < 0:
+            raise LayoutError(f"{what}: shape {shape!r} has size {d!r}: sizes must be non-negative integers")
+        out.append(int(n))
+    return tuple(out)
+
+
 def _squeezed(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(s for s in sizes if s != 1)
 
@@ -158,8 +178,11 @@ def shard_box(shape: Sequence[int], mesh: Mesh, rank: int, placements: Sequence[
     placements split what earlier ones left, as DTensor does for mesh dims left to right).
     Axes not named are replicated.  ``mode`` is a :func:`split_sizes` mode."""
     coord = mesh.coord(rank)
+    shape = check_shape(shape, "shard_box")
     offs, sizes = [0] * len(shape), list(shape)
     for axis, dim in placements:
+        if type(dim) is not int or not 0 <= dim < len(shape):
+            raise LayoutError(f"placement ({axis!r}, {dim!r}): dim {dim!r} is out of range for shape {tuple(shape)}")
         n = mesh.axis_size(axis)
         try:
             off, size = split_range(sizes[dim], n, coord.get(axis, 0), mode)
@@ -180,7 +203,8 @@ class Layout:
     buffers: dict[int, dict[str, Buffer]] = field(default_factory=dict)
 
     def add_tensor(self, name: str, shape: Sequence[int], dtype: str) -> TensorMeta:
-        meta = TensorMeta(name, tuple(int(s) for s in shape), dtype)
+        meta = TensorMeta(name, check_shape(shape, f"tensor {name}"), dtype)
+        itemsize(dtype)
         old = self.tensors.get(name)
         if old is not None and old != meta:
             raise LayoutError(f"tensor {name} declared twice: {old.shape} {old.dtype} vs {meta.shape} {meta.dtype}")

@@ -84,13 +84,19 @@ class _WorkerView:
 
 
 def _classes() -> dict:
+    """The backend's classes, subclassing vLLM's (built on first use: importing this module never imports vLLM)."""
     if _CLASSES:
         return _CLASSES
     from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
                                                        WeightSource, WeightTransferEngine, WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
-    from functools import cached_property
+    _CLASSES.update(_engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo))
+    _CLASSES.update(_trainer_side(ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource))
+    return _CLASSES
 
+
+def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo) -> dict:
+    """The worker side: init / update info and ``McoreReshardWeightTransferEngine``."""
     @dataclass
     class McoreReshardInitInfo(WeightTransferInitInfo):
         """Worker side of the rendezvous (sent by the trainer's sender through the client)."""
@@ -197,6 +203,13 @@ def _classes() -> dict:
             if self.group is not None:
                 leave_group(self.group)
             self.group, self.resharders = None, {}
+
+    return {k: v for k, v in locals().items() if k in _LAZY}
+
+
+def _trainer_side(ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource) -> dict:
+    """The trainer side: init info, ``MegatronSource`` and ``McoreReshardTrainerWeightTransferEngine``."""
+    from functools import cached_property
 
     @dataclass
     class McoreReshardTrainerInitInfo(TrainerInitInfo):
@@ -305,8 +318,7 @@ def _classes() -> dict:
                 leave_group(self.group)
                 self.group = None
 
-    _CLASSES.update({k: v for k, v in locals().items() if k in _LAZY})
-    return _CLASSES
+    return {k: v for k, v in locals().items() if k in _LAZY}
 
 
 __all__ = ["BACKEND", "register", *_LAZY]

@@ -199,9 +199,9 @@ class EngineNames:
     experts: str = "mlp.experts.routed_experts."
 
 
-class LayoutBuilder:
-    """Builds an engine layout rank by rank, sharing identical buffers between ranks (a buffer is
-    checked once, then reused), so that 671B x 256 ranks builds in seconds."""
+class _RankBuffers:
+    """The bookkeeping of a layout built rank by rank: buffers added per rank, each distinct buffer
+    object checked once and shared between ranks, unused tensors dropped at the end."""
 
     def __init__(self, cfg: ModelConfig, dtype: str, names: EngineNames):
         self.cfg, self.dtype, self.names = cfg, dtype, names
@@ -265,7 +265,13 @@ class LayoutBuilder:
             del self.layout.tensors[name]
         return self.layout
 
-    # ------------------------------------------------------------------ one decoder layer
+
+
+class LayoutBuilder(_RankBuffers):
+    """Builds an engine layout rank by rank, sharing identical buffers between ranks (a buffer is
+    checked once, then reused), so that 671B x 256 ranks builds in seconds: the engine's buffers
+    of a decoder layer, the vocabulary and the whole main model of one rank."""
+
     def layer(self, layer: int, rt: str, plan: RankPlan) -> list[Buffer]:
         """Buffers of canonical layer ``layer`` under runtime prefix ``rt`` (e.g.
         ``model.layers.3.`` or ``model.layers.61.mtp_block.``).  Parts are cached by what they

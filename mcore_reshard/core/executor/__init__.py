@@ -36,11 +36,12 @@ Units (no cycles; each imports only those above it):
 * :mod:`.errors` -- :class:`ReshardError`, :class:`TransferError`, classifying gloo failures;
 * :mod:`.common` -- dtype names, wire constants, the group's device, bounded waits;
 * :mod:`.checksum` -- verify-mode checksums, :func:`digest_of`;
-* :mod:`.handshake` -- :func:`agree`, control messages, :func:`all_gather_json`;
+* :mod:`.handshake` -- :func:`agree`, the refit start, control messages, :func:`all_gather_json`, the per-group guard;
 * :mod:`.validation` -- tensors vs plan, aliasing, the plan's own checks;
 * :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
 * :mod:`.rounds` -- the batched and overlapped round paths;
-* :mod:`.resharder` -- :class:`Resharder`: lifecycle, versions, state, confirmation.
+* :mod:`.transfer` -- one refit: start, local copies, rounds, version bookkeeping, confirmation;
+* :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state.
 """
 from __future__ import annotations
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,9 +41,73 @@ def group_ranks_hint(world: int) -> str:
     return f"0..{world - 1}" if world else "none"
 
 
-def bounded_wait(work, timeout: float | None) -> None:
-    """Wait for ``work``, at most ``timeout`` seconds (None: unbounded)."""
+_FALLBACK_TIMEOUT = 1800.0   # torch's own default for non-NCCL process groups
+
+
+def check_timeout(value, what: str = "timeout") -> float | None:
+    """``value`` as seconds (None stays None: the group's timeout); ValueError unless a finite
+    positive real number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) or float(value) <= 0:
+        raise ValueError(f"{what}={value!r}: must be a finite number of seconds > 0 (or None: the process group's timeout)")
+    return float(value)
+
+
+def group_timeout(group) -> float:
+    """The process group's own timeout in seconds (what ``init_process_group(timeout=)`` /
+    ``new_group(timeout=)`` set), else torch's default: the finite bound of ``timeout=None``."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        for dev in (torch.device("cpu"), torch.device("cuda")):
+            try:
+                t = pg._get_backend(dev).options._timeout
+            except Exception:  # noqa: BLE001 - no backend for that device, or no options
+                continue
+            if t is not None and t.total_seconds() > 0:
+                return float(t.total_seconds())
+    except Exception:  # noqa: BLE001
+        pass
+    return _FALLBACK_TIMEOUT
+
+
+#: seconds between two ``is_completed()`` polls on backends whose ``wait`` does not block the host
+POLL_S = 0.0005
+
+
+def bounded_wait(work, timeout: float | None, group=None) -> None:
+    """Wait for ``work`` at most ``timeout`` seconds (None: the group's timeout; never unbounded).
+
+    gloo: ``work.wait(timeout)`` blocks the host and raises on timeout.  Every other backend
+    (NCCL): ``wait`` only makes the current stream wait, so the host polls ``is_completed()``
+    against the deadline; past it the communicator is aborted (its pending operations can never
+    complete: the group must be replaced, see ``Resharder.rebind``) and ``TimeoutError`` raised."""
     if timeout is None:
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+        timeout = group_timeout(group)
+    timeout = max(timeout, 0.001)
+    if _blocking(group):
+        work.wait(datetime.timedelta(seconds=timeout))
+        return
+    deadline = time.monotonic() + timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            abort_group(group)
+            raise TimeoutError(f"Timed out waiting {timeout * 1000:.0f}ms (host-side deadline; communicator aborted)")
+        time.sleep(POLL_S)
+    work.wait()   # completed: raises the backend's error if the operation failed
+
+
+def _blocking(group) -> bool:
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:  # noqa: BLE001 - not a real group (tests): wait blocks
+        return True
+
+
+def abort_group(group) -> None:
+    """Abort ``group``'s communicator (NCCL) so that no operation of it stays pending on the GPU."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group(group)
+    except Exception:  # noqa: BLE001 - nothing to abort (gloo, or already gone)
+        pass

@@ -2,22 +2,26 @@
 refit confirmation's exchange (:func:`exchange`) and :func:`all_gather_json` (metadata)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from .common import bounded_wait, group_device
+from .common import bounded_wait, check_timeout, group_device
 from .errors import ReshardError
 
 _MSG_BYTES = 1024
 _OPT_BYTES = 64
 
-# control messages (handshake, retry handshake, confirmation) share one fixed size and carry their
-# kind, so ranks at different protocol steps are detected instead of exchanging mismatched bytes
-_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation"}
-_C_KIND, _C_OK, _C_VER, _C_DIGEST, _C_OPT, _C_TEXT = 0, 1, 2, 10, 42, 42 + _OPT_BYTES
+# control messages (handshake, retry handshake, confirmation, refit start) share one fixed size and
+# carry their kind, so ranks at different protocol steps are detected instead of exchanging
+# mismatched bytes
+_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation", 4: "refit start"}
+_C_KIND, _C_OK, _C_FLAGS, _C_VER, _C_TOKEN, _C_DIGEST, _C_OPT = 0, 1, 2, 3, 11, 19, 51
+_C_TEXT = _C_OPT + _OPT_BYTES
 _C_SIZE = _C_TEXT + _MSG_BYTES
 
 
@@ -28,28 +32,71 @@ def _put(payload: torch.Tensor, at: int, data: bytes, limit: int) -> None:
 
 
 def exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool = True, options: str = "",
-             text: str = "", timeout: float | None = None) -> list[dict]:
-    """All-gather one fixed-size control message per rank (tensors, never pickle)."""
+             text: str = "", timeout: float | None = None, token: int = 0, flags: int = 0) -> list[dict]:
+    """All-gather one fixed-size control message per rank (tensors, never pickle): kind, ok,
+    ``flags`` (a byte), refit ``version``, ``token`` (64-bit binding id), plan ``digest``,
+    ``options`` and error ``text``; returns them as dicts in rank order."""
     world = dist.get_world_size(group)
     payload = torch.zeros(_C_SIZE, dtype=torch.uint8)
     payload[_C_KIND] = kind
     payload[_C_OK] = 1 if ok else 0
+    payload[_C_FLAGS] = flags & 0xFF
     _put(payload, _C_VER, int(version).to_bytes(8, "little", signed=True), 8)
+    _put(payload, _C_TOKEN, int(token).to_bytes(8, "little", signed=False), 8)
     _put(payload, _C_DIGEST, bytes.fromhex(digest) if digest else b"", 32)
     _put(payload, _C_OPT, options.encode(), _OPT_BYTES)
     _put(payload, _C_TEXT, text.encode(), _MSG_BYTES)
     payload = payload.to(group_device(group))
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    bounded_wait(dist.all_gather(gathered, payload, group=group, async_op=True), timeout)
+    bounded_wait(dist.all_gather(gathered, payload, group=group, async_op=True), timeout, group)
     out = []
     for g in gathered:
         b = bytes(g.cpu().tolist())
-        out.append({"kind": b[_C_KIND], "ok": bool(b[_C_OK]),
+        out.append({"kind": b[_C_KIND], "ok": bool(b[_C_OK]), "flags": b[_C_FLAGS],
                     "version": int.from_bytes(b[_C_VER:_C_VER + 8], "little", signed=True),
+                    "token": int.from_bytes(b[_C_TOKEN:_C_TOKEN + 8], "little", signed=False),
                     "digest": b[_C_DIGEST:_C_DIGEST + 32].hex(),
                     "options": b[_C_OPT:_C_TEXT].rstrip(b"\0").decode(errors="replace"),
                     "text": b[_C_TEXT:].rstrip(b"\0").decode(errors="replace")})
     return out
+
+
+_SEQ: dict[str, int] = {}
+
+
+def _checkin(group) -> tuple | None:
+    """Record in the group's store that this rank reached its next check-in exchange; returns
+    what :func:`missing_ranks` needs (None when the group has no store)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+        pg = group if group is not None else dist.group.WORLD
+        name = c10d._get_process_group_name(pg)
+        seq = _SEQ[name] = _SEQ.get(name, 0) + 1
+        store = c10d._get_process_group_store(pg)
+        store.set(f"mcore_reshard/checkin/{seq}/{dist.get_rank(group)}", b"1")
+        return store, seq, dist.get_world_size(group)
+    except Exception:  # noqa: BLE001 - best effort: only improves the error message
+        return None
+
+
+def missing_ranks(ticket) -> list[int] | None:
+    """The ranks that never reached the check-in exchange of ``ticket`` (None: unknown)."""
+    if ticket is None:
+        return None
+    store, seq, world = ticket
+    try:
+        return [r for r in range(world) if not store.check([f"mcore_reshard/checkin/{seq}/{r}"])]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _who(ticket) -> str:
+    gone = missing_ranks(ticket)
+    if gone is None:
+        return "(which ranks did not answer is unknown)"
+    if not gone:
+        return "(every rank reached it: the process group is broken or a rank failed inside it)"
+    return f"ranks {gone} did not answer"
 
 
 def step_mismatch(msgs: list[dict], kind: int) -> str | None:
@@ -70,18 +117,20 @@ def _by_value(values: list[str]) -> dict[str, list[int]]:
 
 
 def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: float | None = None,
-          kind: int = 1, version: int = 0) -> None:
+          kind: int = 1, version: int = 0, token: int = 0) -> list[dict]:
     """Collective: exchange plan digest, options and local errors; raise :class:`ReshardError` on
     every rank if any rank reported an error or the digests or options differ.  Never pickles.
-    ``timeout`` bounds the wait (a rank that never joins makes the others raise after it)."""
+    ``timeout`` bounds the wait (a rank that never joins makes the others raise after it, naming
+    the ranks that did not answer).  Returns every rank's control message (``token``: each rank's)."""
     rank = dist.get_rank(group)
     t0 = time.monotonic()
+    ticket = _checkin(group)
     try:
         msgs = exchange(group, kind, digest=digest, version=version, ok=not errors, options=options,
-                        text="; ".join(errors), timeout=timeout)
+                        text="; ".join(errors), timeout=timeout, token=token)
     except Exception as e:  # noqa: BLE001 - a peer that died or never joined
-        raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank} after {time.monotonic() - t0:.1f} s "
-                           f"(a peer died, never joined, or the process group is broken): {type(e).__name__}: {e}"
+        raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank} after {time.monotonic() - t0:.1f} s: "
+                           f"{_who(ticket)} (a peer died, never joined, or the process group is broken): {type(e).__name__}: {e}"
                            + (f" | this rank's own problems: {'; '.join(errors)}" if errors else "")) from e
     problems = []
     step = step_mismatch(msgs, kind)
@@ -107,21 +156,97 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
     if problems:
         head = "reshard refused before any transfer: " if kind == 1 else f"refit {version} retry refused: "
         raise ReshardError(head + " | ".join(problems))
+    return msgs
 
 
 def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
-    """Every rank's JSON-able ``obj``, in rank order (metadata exchange; never pickle)."""
+    """Every rank's JSON-able ``obj``, in rank order (metadata exchange; never pickle).  A rank
+    that does not join within ``timeout`` (None: the group's timeout) makes the others raise
+    :class:`ReshardError` naming it."""
+    timeout = check_timeout(timeout)
     data = json.dumps(obj, sort_keys=True).encode()
     device = group_device(group)
     world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    bounded_wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout)
-    longest = max(int(s) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(device)
-    out = [torch.empty_like(buf) for _ in range(world)]
-    bounded_wait(dist.all_gather(out, buf, group=group, async_op=True), timeout)
+    rank = dist.get_rank(group)
+    t0 = time.monotonic()
+    ticket = _checkin(group)
+    try:
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        bounded_wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout, group)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(device)
+        out = [torch.empty_like(buf) for _ in range(world)]
+        bounded_wait(dist.all_gather(out, buf, group=group, async_op=True), timeout, group)
+    except Exception as e:  # noqa: BLE001 - a peer that died or never joined
+        raise ReshardError(f"metadata exchange (all_gather_json) failed on rank {rank} after "
+                           f"{time.monotonic() - t0:.1f} s: {_who(ticket)}; cause: {type(e).__name__}: {str(e)[:300]}") from e
     return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
+
+
+_F_EXPLICIT, _F_DIRTY = 1, 2
+
+
+def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, explicit: bool, options: str,
+                dirty: bool, timeout: float | None) -> int:
+    """Collective, before any byte of a refit moves: every rank states which binding it refits
+    (plan digest + binding token), with which options, which version it proposes (``explicit``:
+    the caller passed ``version=``) and whether operations of an interrupted refit may still be
+    pending on this group (``dirty``).  Returns the agreed version (the explicit one, else the
+    highest proposal, so ranks that disagree after an interruption converge); raises
+    :class:`ReshardError` on every rank if they refit different Resharders, options differ,
+    explicit versions differ or any rank is dirty.  A failed exchange raises (the caller turns it
+    into a :class:`TransferError`)."""
+    flags = (_F_EXPLICIT if explicit else 0) | (_F_DIRTY if dirty else 0)
+    msgs = exchange(group, 4, digest=digest, version=proposal, options=options, token=token, flags=flags,
+                    timeout=timeout)
+    problems = []
+    step = step_mismatch(msgs, 4)
+    if step:
+        problems.append(step)
+    else:
+        binds = _by_value([f"plan {m['digest'][:12]} binding {m['token']:016x}" for m in msgs])
+        if len(binds) > 1:
+            problems.append("ranks refit different Resharders (two Resharders over one group must refit in the same "
+                            "order on every rank): " + "; ".join(f"{b} on ranks {rs}" for b, rs in sorted(binds.items())))
+        opts = _by_value([m["options"] for m in msgs])
+        if len(opts) > 1:
+            problems.append("options differ between ranks: " + "; ".join(f"{o} on ranks {rs}" for o, rs in sorted(opts.items())))
+        dirty_ranks = [r for r, m in enumerate(msgs) if m["flags"] & _F_DIRTY]
+        if dirty_ranks:
+            problems.append(f"ranks {dirty_ranks} were interrupted with operations possibly still pending on this "
+                            "process group: call rebind(new_group) on every rank first")
+        wanted = sorted({m["version"] for m in msgs if m["flags"] & _F_EXPLICIT})
+        if len(wanted) > 1:
+            problems.append(f"ranks ask for different refit versions {wanted}")
+    if problems:
+        raise ReshardError(f"rank {rank}: refit refused before any byte moved: " + " | ".join(problems))
+    wanted = [m["version"] for m in msgs if m["flags"] & _F_EXPLICIT]
+    return wanted[0] if wanted else max(m["version"] for m in msgs)
+
+
+_LOCKS: dict[int, tuple[threading.Lock, list]] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def group_guard(group, rank: int, what: str):
+    """One Resharder operation at a time per process group in this process: a second thread
+    that tries (a refit, handshake or rebind over the same group) gets :class:`ReshardError` at
+    once instead of interleaving its messages with the first one's (gloo aborts the process)."""
+    pg = group if group is not None else dist.group.WORLD
+    with _LOCKS_GUARD:
+        lock, holder = _LOCKS.setdefault(id(pg), (threading.Lock(), [None]))
+    if not lock.acquire(blocking=False):
+        raise ReshardError(f"rank {rank}: cannot {what}: thread {holder[0]!r} is running a refit or handshake over "
+                           "the same process group in this process; Resharders sharing a group must run one after "
+                           "another (use one thread, or a group per thread)")
+    holder[0] = threading.current_thread().name
+    try:
+        yield
+    finally:
+        holder[0] = None
+        lock.release()

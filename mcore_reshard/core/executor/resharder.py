@@ -3,20 +3,19 @@ each ``refit()`` moves the bytes; keeps versions, interruptions and the group (`
 from __future__ import annotations
 
 import datetime
-import time
+import os
 from typing import Mapping
 
 import torch
-
 import torch.distributed as dist
 
 from ..planner import Plan
 from . import rounds as _rounds
 from .binding import bind
-from .checksum import checksum
-from .common import group_device
-from .errors import ReshardError, TransferError
-from .handshake import agree, exchange, step_mismatch
+from .common import check_timeout, group_device, group_timeout
+from .errors import ReshardError
+from .handshake import agree, group_guard
+from .transfer import run_refit
 from .validation import check_binding
 
 
@@ -27,7 +26,8 @@ class Resharder:
     none); they must be exactly the buffers the plan gives this rank.  Source tensors are only read
     (a destination tensor sharing memory with a source is refused).  ``timeout`` (seconds) bounds
     the handshake, every round and the final confirmation: a dead or stalled peer makes every rank
-    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout).
+    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout;
+    never unbounded).
     ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
     must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
     ``refit()`` returns only when every rank has landed every byte (then ``state()["version"]`` is
@@ -35,41 +35,65 @@ class Resharder:
     buffer, when at least :func:`staging_size` bytes (shared by Resharders run one after another).
     ``overlap``: how a round moves its messages (see :meth:`overlapped`); ``None`` (default): overlapped
     on gloo, one grouped ``batch_isend_irecv`` per round on every other backend (NCCL).
+    ``layouts``: ``(src_layout, dst_layout)`` the plan claims to come from; when given, every copy
+    of this rank is checked against them before a byte moves (``MegatronRefit`` passes them).
+    Refits run without autograd on detached views (``nn.Parameter`` tensors stay as they are).
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                  group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
-                 staging: torch.Tensor | None = None, overlap: bool | None = None):
+                 staging: torch.Tensor | None = None, overlap: bool | None = None, layouts=None):
+        self._timeout_arg = check_timeout(timeout)
+        if overlap not in (None, True, False) or not isinstance(verify, bool) or not isinstance(confirm, bool):
+            raise ValueError(f"overlap={overlap!r} (None, True or False), verify={verify!r}, confirm={confirm!r} (True or False)")
         self._shared_staging = staging
+        self._layouts = layouts
         self.overlap = overlap
         self.plan = plan
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.timeout_s = None if timeout is None else float(timeout)
-        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self._set_timeout()
         self.verify = bool(verify)
         self.confirm = bool(confirm)
-        self.src = dict(src)
-        self.dst = dict(dst)
+        # detached views share the caller's storage: refits copy_ into them without autograd
+        # (nn.Parameter sources / destinations stay leaves, requires_grad and all)
+        self.src = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
+        self.dst = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
         self.version = 0                   # last refit version confirmed complete
         self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
         self._interrupted: dict | None = None
-        self._needs_handshake = False
+        self._sources_changed = False
+        self._dirty = False                # an interrupted refit may have left operations pending on the group
         # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
-        # every retry and every refit's confirmation carry it; the bound plan is not to be changed
+        # every refit's start and confirmation carry it; the bound plan is not to be changed
         self._digest = plan.hash
-        agree(group, self._digest, self._validate(), options=self._options(), timeout=self.timeout_s)
-        self._bind()
+        # the binding id: rank 0's random token, agreed in the handshake; every refit start
+        # compares it, so two Resharders over one group can never exchange each other's bytes
+        errors = self._validate()
+        if not errors:
+            try:     # views and staging before the handshake: a failure here (memory) reaches every rank
+                self._bind()
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"rank {self.rank}: binding failed: {type(e).__name__}: {str(e)[:300]}")
+        with group_guard(group, self.rank, "bind a Resharder"):
+            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s,
+                         token=int.from_bytes(os.urandom(8), "little"))
+        self._token = msgs[0]["token"]
+
+    def _set_timeout(self) -> None:
+        self.timeout_s = self._timeout_arg if self._timeout_arg is not None else group_timeout(self.group)
+        self.timeout = datetime.timedelta(seconds=self.timeout_s)
 
     # ------------------------------------------------------------------ validation and binding
 
     def _options(self) -> str:
-        return f"verify={int(self.verify)},confirm={int(self.confirm)}"
+        return f"verify={int(self.verify)},confirm={int(self.confirm)},overlap={int(self.overlapped())}"
 
     def _validate(self) -> list[str]:
         try:
-            return check_binding(self.plan, self.rank, self.world, self.group, self.src, self.dst, self.overlap)
+            return check_binding(self.plan, self.rank, self.world, self.group, self.src, self.dst, self.overlap,
+                                 self._shared_staging, self._layouts)
         except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
             return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
 
@@ -94,7 +118,8 @@ class Resharder:
     def rebind(self, group=None) -> None:
         """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke
         the old one: gloo closes its pairs on a timeout; NCCL communicators must be aborted).
-        Re-runs the construction handshake; staging buffers, views and recorded versions stay."""
+        Re-runs the construction handshake (every rank must rebind the same Resharder); staging
+        buffers, views and recorded versions stay.  ``timeout=None`` follows the new group's timeout."""
         rank = dist.get_rank(group)
         errors = []
         if rank != self.rank:
@@ -102,9 +127,15 @@ class Resharder:
                           "the new group must keep every rank's number")
         self.group = group
         self.world = dist.get_world_size(group)
+        self._set_timeout()
         errors = errors or self._validate()
-        agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s)
-        self._needs_handshake = False
+        with group_guard(group, self.rank, "rebind"):
+            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s, token=self._token)
+        tokens = sorted({m["token"] for m in msgs})
+        if len(tokens) > 1:
+            raise ReshardError(f"rank {self.rank}: rebind refused: ranks rebind different Resharders "
+                               f"(binding ids {[f'{t:016x}' for t in tokens]})")
+        self._dirty = False
 
     # ------------------------------------------------------------------ state
 
@@ -130,74 +161,23 @@ class Resharder:
 
     # ------------------------------------------------------------------ refit
 
-    def _stage_begin(self, stage: int) -> None:
-        for name in self._first_stage.get(stage, ()):
-            self._buffer_version[name] = None
-
-    def _stage_end(self, stage: int, version: int) -> None:
-        for name in self._last_stage.get(stage, ()):
-            self._buffer_version[name] = version
-
     def refit(self, version: int | None = None) -> dict:
         """Move every byte of the plan once (collective); returns counts (messages and bytes sent by
         this rank) and the version.
 
-        ``version`` labels what the destination now holds (e.g. the training step); default: last
-        completed version + 1, so a retry after an interrupted refit reuses the interrupted number.
-        After an interruption the next call first re-checks the group (a collective handshake) and
-        then rewrites every destination buffer; if the group is broken it raises at once: call
-        :meth:`rebind` with a fresh group, then ``refit()`` again.
+        Every refit starts with a collective check (:func:`~.handshake.refit_start`) before any
+        byte moves: all ranks refit this same Resharder (plan digest + binding id), with the same
+        options and version.  ``version`` labels what the destination now holds (e.g. the
+        training step); default: the highest of every rank's last completed version + 1, so ranks
+        that disagree after an interruption converge.  After an interruption that may have left
+        operations pending on the group the refit is refused on every rank: call :meth:`rebind`
+        with a fresh group on every rank, then ``refit()`` again.  The caller must not write the
+        source tensors while a refit runs (``verify=True`` detects it).
         """
-        v = self.version + 1 if version is None else int(version)
-        if self._needs_handshake and self.confirm:
-            try:
-                agree(self.group, self._digest, [], options=self._options(), timeout=self.timeout_s, kind=2, version=v)
-            except ReshardError as e:
-                raise ReshardError(f"rank {self.rank}: cannot retry refit {v}: {e} -- after an interrupted refit on a "
-                                   "broken process group, call rebind(new_group) on every rank first") from e
-            self._needs_handshake = False
-        problems: list[str] = []
-        try:
-            stats = self._transfer(v, problems)
-            if self.confirm:
-                self._confirm(v, problems)
-        except TransferError as e:
-            self._interrupted = {"version": v, "round": e.round, "error": str(e)}
-            self._needs_handshake = True
-            raise
-        except BaseException as e:  # noqa: BLE001 - anything else that stops a refit half-way
-            self._interrupted = {"version": v, "round": None, "error": f"{type(e).__name__}: {e}"}
-            self._needs_handshake = True
-            raise
-        self.version = v
-        self._interrupted = None
-        stats["version"] = v
-        return stats
-
-    def _transfer(self, v: int, problems: list[str]) -> dict:
-        self._stage_begin(-1)
-        for view, _ in self.padding:
-            view.zero_()
-        bad_buffers = set()
-        for d, s, c in self.local:
-            d.copy_(s.reshape(d.shape))
-            if self.verify and d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
-                problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
-                bad_buffers.add(c.dst_buffer)
-        self._stage_end(-1, v)
-        sent = nmsg = 0
-        run_round = _rounds.round_overlapped if self.overlapped() else _rounds.round_batched
-        for i, rnd in enumerate(self.rounds):
-            self._stage_begin(i)
-            run_round(self, v, i, rnd, problems, bad_buffers)
-            self._stage_end(i, v)
-            nmsg += len(rnd.sends)
-            sent += sum(b.numel() for _, b, *_ in rnd.sends)
-        for name in bad_buffers:
-            self._buffer_version[name] = None
-        if problems and not self.confirm:
-            raise TransferError(f"refit {v} on rank {self.rank} failed verification: " + "; ".join(problems[:8]), version=v)
-        return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version={version!r}: must be a non-negative integer (or None)")
+        with group_guard(self.group, self.rank, "refit"), torch.no_grad():
+            return run_refit(self, version)
 
     def overlapped(self) -> bool:
         """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.
@@ -210,28 +190,3 @@ class Resharder:
         reason (construction and :meth:`rebind` raise).  The environment variable ``MCORE_RESHARD_OVERLAP`` (``0``/``1``) overrides the
         default choice (benchmarks); an explicit ``overlap`` argument wins over it."""
         return _rounds.use_overlap(self.group, self.overlap)
-
-    def _confirm(self, v: int, problems: list[str]) -> None:
-        """Every rank reports (version, ok); raise unless every rank landed this version."""
-        t0 = time.monotonic()
-        try:
-            msgs = exchange(self.group, 3, digest=self._digest, version=v, ok=not problems,
-                            text="; ".join(problems[:8]), timeout=self.timeout_s)
-        except Exception as e:  # noqa: BLE001
-            raise TransferError(
-                f"refit {v}: rank {self.rank} finished its rounds but the final confirmation failed after "
-                f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): another rank died or stopped part-way; "
-                f"{'this rank: ' + '; '.join(problems[:4]) + '; ' if problems else ''}cause: {type(e).__name__}: {str(e)[:300]}",
-                version=v, round=0) from e
-        step = step_mismatch(msgs, 3)
-        failed = [r for r, m in enumerate(msgs) if not m["ok"]]
-        versions = sorted({m["version"] for m in msgs})
-        if step or failed or len(versions) > 1:
-            text = f"refit {v} did not complete everywhere (rank {self.rank}):"
-            if step:
-                text += " " + step
-            elif failed:
-                text += " " + "; ".join(f"rank {r}: {msgs[r]['text']}" for r in failed)
-            if not step and len(versions) > 1:
-                text += f" ranks refit different versions {versions}"
-            raise TransferError(text, version=v, round=0, peers=failed)

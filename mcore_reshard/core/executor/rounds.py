@@ -85,10 +85,10 @@ def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffer
             works = dist.batch_isend_irecv(ops)
             if len(works) != len(ops):
                 labels = ["exchanging with ranks " + ",".join(map(str, sorted(set(rnd.send_peers) | set(rnd.recv_peers))))] * len(works)
-            deadline = None if r.timeout_s is None else t0 + r.timeout_s
+            deadline = t0 + r.timeout_s
             for work, label in zip(works, labels):
                 try:
-                    bounded_wait(work, None if deadline is None else deadline - time.monotonic())
+                    bounded_wait(work, deadline - time.monotonic(), r.group)
                 except Exception as e:  # noqa: BLE001
                     raise round_error(r, v, i, rnd, label, e, time.monotonic() - t0) from e
         except TransferError:
@@ -117,14 +117,11 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
     fails with the same :class:`TransferError` (round, peers, what it was waiting for) as the
     batched path."""
     t0 = time.monotonic()
-    deadline = None if r.timeout_s is None else t0 + r.timeout_s
-
-    def left():
-        return None if deadline is None else deadline - time.monotonic()
+    deadline = t0 + r.timeout_s
 
     def wait(work, label):
         try:
-            bounded_wait(work, left())
+            bounded_wait(work, deadline - time.monotonic(), r.group)
         except Exception as e:  # noqa: BLE001
             raise round_error(r, v, i, rnd, label, e, time.monotonic() - t0) from e
 

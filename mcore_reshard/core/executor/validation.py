@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner import Plan, validate_plan
+from .binding import staging_size
 from .common import dtype_name, group_ranks_hint
 
 
@@ -50,13 +51,15 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> list[str]:
-    """A destination tensor that shares memory with a source tensor (or another destination
-    tensor) would overwrite the source weights or receive two writers."""
+def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                   staging: torch.Tensor | None = None) -> list[str]:
+    """A destination tensor (or the staging buffer) that shares memory with a source tensor, or
+    with another destination tensor, would overwrite the source weights or receive two writers."""
     spans = []
-    for side, tensors in (("src", src), ("dst", dst)):
+    sides = [("src", src), ("dst", dst)] + ([("staging", {"buffer": staging})] if staging is not None else [])
+    for side, tensors in sides:
         for name, t in tensors.items():
-            if isinstance(t, torch.Tensor) and t.numel():
+            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
                 lo, hi = _span(t)
                 spans.append((t.device.type, t.device.index, lo, hi, side, name))
     spans.sort()
@@ -65,17 +68,83 @@ def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str,
         for b in spans[i + 1:]:
             if b[:2] != a[:2] or b[2] >= a[3]:
                 break
-            if "dst" in (a[4], b[4]):
-                x, y = sorted([a, b], key=lambda t: (t[4] != "src", t[5]))
-                errors.append(f"rank {rank}: {x[4]} tensor {x[5]} and {y[4]} tensor {y[5]} share memory; a refit would "
-                              + ("overwrite the source weights" if x[4] == "src" else "write both"))
+            if {"dst", "staging"} & {a[4], b[4]}:
+                x, y = sorted([a, b], key=lambda t: ({"src": 0, "dst": 1}.get(t[4], 2), t[5]))
+                errors.append(f"rank {rank}: {x[4]} tensor {x[5]} and {y[4]} {'buffer' if y[4] == 'staging' else 'tensor ' + y[5]} "
+                              "share memory; a refit would " + ("overwrite the source weights" if x[4] == "src" else "write both"))
+        if len(errors) >= 8:
+            break
+    return errors
+
+
+def check_devices(rank: int, group, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
+                  staging) -> list[str]:
+    """No tensor on the meta device (no storage: nothing would land), all on one device, and on
+    NCCL that device is this rank's current CUDA device; a user staging buffer is a 1-D
+    contiguous uint8 tensor."""
+    errors = []
+    items = [(side, n, t) for side, d in (("src", src), ("dst", dst)) for n, t in d.items() if isinstance(t, torch.Tensor)]
+    if staging is not None:
+        if not isinstance(staging, torch.Tensor):
+            return [f"rank {rank}: staging is a {type(staging).__name__}, not a torch.Tensor"]
+        if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous():
+            errors.append(f"rank {rank}: staging must be a 1-D contiguous uint8 tensor, got {list(staging.shape)} "
+                          f"{dtype_name(staging.dtype)}{'' if staging.is_contiguous() else ' (not contiguous)'}")
+        items.append(("staging", "buffer", staging))
+    for side, n, t in items:
+        if t.device.type == "meta":
+            errors.append(f"rank {rank}: {side} {'tensor ' + n if side != 'staging' else 'buffer'} is on the meta "
+                          "device (no storage: nothing would land)")
+    devices = sorted({str(t.device) for _, _, t in items})
+    if len(devices) > 1:
+        by = {d: [f"{side} {n}" for side, n, t in items if str(t.device) == d][:3] for d in devices}
+        errors.append(f"rank {rank}: tensors on more than one device: " + "; ".join(f"{d}: {', '.join(v)}" for d, v in by.items()))
+    if dist.get_backend(group) == "nccl" and devices:
+        want = f"cuda:{torch.cuda.current_device()}"
+        for side, n, t in items:
+            if str(t.device) != want:
+                errors.append(f"rank {rank}: {side} {n} is on {t.device}; this NCCL group communicates on {want}")
+                break
+    return errors
+
+
+def check_layouts(plan: Plan, rank: int, src_layout, dst_layout) -> list[str]:
+    """``plan`` is what the layouts it claims to come from give ``rank``: tensor shapes and
+    dtypes, this rank's buffers, and every copy's local boxes (the piece holding its global box,
+    mapped to local coordinates) on this rank's side."""
+    errors = []
+    for name, meta in plan.tensors.items():
+        s, d = src_layout.tensors.get(name), dst_layout.tensors.get(name)
+        if s is None or d is None:
+            errors.append(f"rank {rank}: tensor {name} of the plan is not in the {'source' if s is None else 'destination'} layout")
+        elif list(meta["shape"]) != list(d.shape) or meta["src_dtype"] != s.dtype or meta["dst_dtype"] != d.dtype:
+            errors.append(f"rank {rank}: tensor {name}: plan says {list(meta['shape'])} {meta['src_dtype']} -> "
+                          f"{meta['dst_dtype']}, the layouts say {list(d.shape)} {s.dtype} -> {d.dtype}")
+    for side, lay in (("src", src_layout), ("dst", dst_layout)):
+        have = lay.buffers.get(rank, {})
+        for name, (shape, dtype) in plan.buffers.get(side, {}).get(rank, {}).items():
+            b = have.get(name)
+            if b is None or list(b.shape) != list(shape) or b.dtype != dtype:
+                errors.append(f"rank {rank}: {side} buffer {name} {list(shape)} {dtype} of the plan is "
+                              + ("not in the layout" if b is None else f"{list(b.shape)} {b.dtype} in the layout"))
+    copies = [c for c in plan.local_copies if c.dst == rank] + [c for m in plan.messages if rank in (m.src, m.dst) for c in m.entries]
+    for c in copies:
+        for side, lay, r, bname, local in (("src", src_layout, c.src, c.src_buffer, c.src_local),
+                                           ("dst", dst_layout, c.dst, c.dst_buffer, c.dst_local)):
+            if r != rank:
+                continue
+            b = lay.buffers.get(rank, {}).get(bname)
+            pieces = [p for p in (b.pieces if b else ()) if p.tensor == c.tensor and p.box.contains(c.box)]
+            if not any(p.local_of(c.box) == local for p in pieces):
+                errors.append(f"rank {rank}: copy of {c.tensor}{c.box} {side} {bname}{local} is not where the {side} "
+                              f"layout holds it ({[str(p.local_of(c.box)) for p in pieces] or 'no piece holds that box'})")
         if len(errors) >= 8:
             break
     return errors
 
 
 def check_binding(plan: Plan, rank: int, world: int, group, src: Mapping[str, torch.Tensor],
-                  dst: Mapping[str, torch.Tensor], overlap: bool | None) -> list[str]:
+                  dst: Mapping[str, torch.Tensor], overlap: bool | None, staging=None, layouts=None) -> list[str]:
     """Every problem that makes binding ``plan`` on ``rank`` unsafe ([] when sound)."""
     errors = []
     outside = [q for q in plan.ranks if not 0 <= q < world]
@@ -83,10 +152,18 @@ def check_binding(plan: Plan, rank: int, world: int, group, src: Mapping[str, to
         errors.append(f"rank {rank}: plan ranks {outside[:8]}{' ...' if len(outside) > 8 else ''} are outside the "
                       f"process group of {world} rank(s) ({group_ranks_hint(world)})")
     errors += check_tensors(plan, rank, "src", src) + check_tensors(plan, rank, "dst", dst)
-    errors += check_aliasing(rank, src, dst)
+    errors += check_devices(rank, group, src, dst, staging)
+    errors += check_aliasing(rank, src, dst, staging if isinstance(staging, torch.Tensor) else None)
     backend = dist.get_backend(group)
     if overlap and backend != "gloo":
         errors.append(f"rank {rank}: overlap=True needs the gloo backend; this group uses {backend}, whose "
                       "point-to-point operations must stay in one batch_isend_irecv per round")
-    errors += [f"rank {rank}: plan is inconsistent: {p}" for p in validate_plan(plan, rank, limit=5)]
+    problems = validate_plan(plan, rank, limit=5)
+    if not problems:
+        need = staging_size(plan, rank)
+        if need > plan.budget_bytes:
+            problems.append(f"rank {rank} would stage {need} B in one round, over the plan's budget of {plan.budget_bytes} B")
+    errors += [f"rank {rank}: plan is inconsistent: {p}" for p in problems]
+    if layouts is not None and not problems:
+        errors += check_layouts(plan, rank, *layouts)
     return errors

@@ -31,10 +31,20 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
 
     writes: dict[tuple[int, str], list[tuple[Box, str]]] = defaultdict(list)
 
+    def ints(*xs) -> bool:
+        return all(type(x) is int for x in xs)
+
+    if not ints(plan.budget_bytes, plan.rounds) or plan.budget_bytes < 1024 or plan.rounds < 0:
+        bad(f"plan budget_bytes={plan.budget_bytes!r} / rounds={plan.rounds!r}: must be integers (budget >= 1024)")
+
     def check_copy(c: Copy, where: str) -> None:
         meta = plan.tensors.get(c.tensor)
         if meta is None:
             bad(f"{where}: tensor {c.tensor} is not in the plan's tensors")
+            return
+        if not ints(c.src, c.dst, c.nbytes, c.offset, *c.box.offsets, *c.box.sizes, *c.src_local.offsets,
+                    *c.src_local.sizes, *c.dst_local.offsets, *c.dst_local.sizes):
+            bad(f"{where}: copy of {c.tensor}: ranks, boxes, offset and byte count must be integers: {list(c)}")
             return
         if c.box.ndim != len(meta["shape"]) or not Box.full(meta["shape"]).contains(c.box):
             bad(f"{where}: box {c.box} is outside tensor {c.tensor} of shape {list(meta['shape'])}")
@@ -49,6 +59,12 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             if local.numel != c.box.numel:
                 bad(f"{where}: {side} local box {local} of rank {r} buffer {bname} has {local.numel} elements, "
                     f"global box {c.box} has {c.box.numel}")
+            elif [x for x in local.sizes if x != 1] != [x for x in c.box.sizes if x != 1]:
+                bad(f"{where}: {side} local box {local} of rank {r} buffer {bname} and global box {c.box} of "
+                    f"{c.tensor} differ in shape (sizes must agree once size-1 dims are dropped)")
+            if bm[1] != meta[f"{side}_dtype"]:
+                bad(f"{where}: {side} rank {r} buffer {bname} is {bm[1]}, the plan's tensor {c.tensor} says "
+                    f"{side}_dtype {meta[f'{side}_dtype']}")
         want = c.box.numel * itemsize(meta["src_dtype"])
         if c.nbytes != want:
             bad(f"{where}: copy of {c.tensor}{c.box} claims {c.nbytes} B, {c.box.numel} x {meta['src_dtype']} is {want} B")
@@ -67,6 +83,9 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
         if rank is not None and rank not in (m.src, m.dst):
             continue
         where = f"round {m.round} message {m.src}->{m.dst}"
+        if not ints(m.round, m.src, m.dst, m.nbytes):
+            bad(f"{where}: round, ranks and byte count must be integers")
+            continue
         if not 0 <= m.round < plan.rounds:
             bad(f"{where}: round {m.round} is outside the plan's {plan.rounds} round(s)")
         if m.src == m.dst:

@@ -1,0 +1,144 @@
+"""One refit's byte movement and its bookkeeping: local copies and padding, the rounds (with the
+stage at which each destination buffer loses / gains its version), verify's source check, and the
+final confirmation.  Each function takes the bound :class:`~.resharder.Resharder` ``r``."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .checksum import checksum
+from .errors import ReshardError, TransferError
+from .handshake import exchange, refit_start, step_mismatch
+from .rounds import round_batched, round_overlapped
+
+
+def stage_begin(r, stage: int) -> None:
+    """Buffers first written at ``stage`` (-1: local copies and padding) hold no complete version."""
+    for name in r._first_stage.get(stage, ()):
+        r._buffer_version[name] = None
+
+
+def stage_end(r, stage: int, version: int) -> None:
+    """Buffers last written at ``stage`` now hold ``version``."""
+    for name in r._last_stage.get(stage, ()):
+        r._buffer_version[name] = version
+
+
+def transfer(r, v: int, problems: list[str]) -> dict:
+    """Local copies and padding, then every round; ``problems`` collects verify failures."""
+    src_sums = {n: checksum(t) for n, t in r.src.items()} if r.verify else {}
+    stage_begin(r, -1)
+    for view, _ in r.padding:
+        view.zero_()
+    bad_buffers = set()
+    for d, s, c in r.local:
+        d.copy_(s.reshape(d.shape))
+        if r.verify and d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
+            problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
+            bad_buffers.add(c.dst_buffer)
+    stage_end(r, -1, v)
+    sent = nmsg = 0
+    run_round = round_overlapped if r.overlapped() else round_batched
+    for i, rnd in enumerate(r.rounds):
+        stage_begin(r, i)
+        r._dirty = True      # operations of this round may stay pending if it is interrupted
+        run_round(r, v, i, rnd, problems, bad_buffers)
+        r._dirty = False
+        stage_end(r, i, v)
+        nmsg += len(rnd.sends)
+        sent += sum(b.numel() for _, b, *_ in rnd.sends)
+    changed = sorted(n for n, t in r.src.items() if not torch.equal(checksum(t), src_sums[n])) if r.verify else []
+    if changed:
+        r._sources_changed = True
+        problems.insert(0, f"source tensor(s) {', '.join(changed[:4])} on rank {r.rank} changed during refit {v} "
+                        "(the caller must not write the sources while a refit runs): what was sent mixes versions")
+    for name in bad_buffers:
+        r._buffer_version[name] = None
+    if problems and not r.confirm:
+        if changed:
+            drop_version(r, v)
+        raise TransferError(f"refit {v} on rank {r.rank} failed verification: " + "; ".join(problems[:8]), version=v)
+    return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+
+
+def drop_version(r, v: int) -> None:
+    """Buffers written by refit ``v`` hold no trustworthy version (a source changed under it)."""
+    for name, have in r._buffer_version.items():
+        if have == v:
+            r._buffer_version[name] = None
+
+
+def confirm(r, v: int, problems: list[str]) -> None:
+    """Every rank reports (version, ok); raise unless every rank landed this version."""
+    t0 = time.monotonic()
+    changed, r._sources_changed = r._sources_changed, False
+    r._dirty = True
+    try:
+        msgs = exchange(r.group, 3, digest=r._digest, version=v, ok=not problems,
+                        text="; ".join(problems[:8]), timeout=r.timeout_s, token=r._token,
+                        flags=1 if changed else 0)
+        r._dirty = False
+    except Exception as e:  # noqa: BLE001
+        raise TransferError(
+            f"refit {v}: rank {r.rank} finished its rounds but the final confirmation failed after "
+            f"{time.monotonic() - t0:.1f} s (timeout {r.timeout_s} s): another rank died or stopped part-way; "
+            f"{'this rank: ' + '; '.join(problems[:4]) + '; ' if problems else ''}cause: {type(e).__name__}: {str(e)[:300]}",
+            version=v, round=0) from e
+    step = step_mismatch(msgs, 3)
+    failed = [q for q, m in enumerate(msgs) if not m["ok"]]
+    foreign = sorted(q for q, m in enumerate(msgs) if (m["digest"], m["token"]) != (r._digest, r._token))
+    if any(m["flags"] & 1 for m in msgs) or step or foreign:
+        drop_version(r, v)
+    if foreign and not step:
+        raise TransferError(f"refit {v} did not complete everywhere (rank {r.rank}): ranks {foreign} confirmed "
+                            "another Resharder's refit (plan digest / binding id differ): what arrived here is "
+                            "not trusted", version=v, round=0, peers=foreign)
+    versions = sorted({m["version"] for m in msgs})
+    if step or failed or len(versions) > 1:
+        text = f"refit {v} did not complete everywhere (rank {r.rank}):"
+        if step:
+            text += " " + step
+        elif failed:
+            text += " " + "; ".join(f"rank {q}: {msgs[q]['text']}" for q in failed)
+        if not step and len(versions) > 1:
+            text += f" ranks refit different versions {versions}"
+        raise TransferError(text, version=v, round=0, peers=failed)
+
+
+def run_refit(r, version: int | None) -> dict:
+    """Refit start (agreed version), transfer, confirmation; records an interruption on ``r``."""
+    proposal = r.version + 1 if version is None else version
+    t0 = time.monotonic()
+    try:
+        v = refit_start(r.group, rank=r.rank, digest=r._digest, token=r._token, proposal=proposal,
+                        explicit=version is not None, options=r._options(), dirty=r._dirty,
+                        timeout=r.timeout_s)
+    except ReshardError:
+        raise        # refused on every rank before any byte moved; nothing changed here
+    except BaseException as e:  # noqa: BLE001 - a peer died or the group is broken
+        r._interrupted = {"version": proposal, "round": 0, "error": f"{type(e).__name__}: {e}"}
+        r._dirty = True
+        if not isinstance(e, Exception):
+            raise
+        raise TransferError(
+            f"refit {proposal}: rank {r.rank} could not start: the refit start exchange failed after "
+            f"{time.monotonic() - t0:.1f} s (timeout {r.timeout_s} s): a peer died, stalled or the process group "
+            f"is broken; no byte moved -- call rebind(new_group) on every rank, then refit() again; "
+            f"cause: {type(e).__name__}: {str(e)[:300]}", version=proposal, round=0) from e
+    problems: list[str] = []
+    try:
+        stats = transfer(r, v, problems)
+        if r.confirm:
+            confirm(r, v, problems)
+    except TransferError as e:
+        r._interrupted = {"version": v, "round": e.round, "error": str(e)}
+        raise
+    except BaseException as e:  # noqa: BLE001 - anything else that stops a refit half-way
+        r._interrupted = {"version": v, "round": None, "error": f"{type(e).__name__}: {e}"}
+        r._dirty = True
+        raise
+    r.version = v
+    r._interrupted = None
+    stats["version"] = v
+    return stats

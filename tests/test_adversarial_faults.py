@@ -1,0 +1,89 @@
+"""Fault injection at every stage of a refit (issue #13): before the handshake, at the refit
+start, in a round, during unpack, during the confirmation; on any rank; as an exception,
+KeyboardInterrupt, a stall (3x the timeout), SIGSTOP (continued later) and SIGKILL.
+
+Disaggregated tp=2 (ranks 0-1) -> tp=1 (rank 2), 2 KiB budget (dozens of rounds), gloo, the
+executor's default ``timeout=None`` (the group's own timeout, T).  For every case:
+
+* every survivor raises (``TransferError``; ``ReshardError`` naming the missing rank when the
+  fault hits before the handshake) within 2T of the fault -- never a hang;
+* ``state()`` on every rank, victim included, tells the truth: each buffer that claims refit v
+  holds exactly refit v's bytes (checked by value), the others claim ``None``;
+* the source weights are unchanged;
+* ``rebind(new group)`` + ``refit()`` (no ``version=``) converges on every rank, bit-exact.
+
+Non-lethal faults run one after another in one launch, each on fresh groups; each SIGKILL case is
+its own launch.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from partial_launch import spawn_ok, spawn_partial
+
+import adversarial_workers
+
+pytestmark = pytest.mark.multiproc
+
+T = 2.0
+STAGES = ["construct", "start", "round", "unpack", "confirm"]
+KINDS = ["raise", "kbint", "stall", "sigstop"]
+# every stage x every kind once; the victim rotates over the ranks (unpack: the receiving rank 2)
+CASES = [(s, k, 2 if s == "unpack" else (i + j) % 3) for i, s in enumerate(STAGES) for j, k in enumerate(KINDS)]
+
+
+def test_non_lethal_faults_at_every_stage():
+    results = spawn_ok(adversarial_workers.fault_cases, 3, CASES, T, timeout=600, pg_timeout=120)
+    delays = []
+    for k, (stage, kind, victim) in enumerate(CASES):
+        for rank in range(3):
+            o = results[rank][k]
+            assert o["case"] == [stage, kind, victim]
+            where = (stage, kind, victim, rank)
+            if rank != victim:
+                if stage == "construct":
+                    assert o["type"] == "ReshardError", (where, o)
+                    assert f"ranks [{victim}] did not answer" in o["error"], (where, o["error"])
+                    delay = o["raised_at"] - o["t0"]
+                else:
+                    assert o["type"] == "TransferError", (where, o)
+                    assert "refit 2" in o["error"], (where, o["error"])
+                    delay = o["raised_at"] - o["fault_at"] if o["fault_at"] else o["raised_at"] - o["t0"]
+                assert delay < 2 * T + 0.5, (where, delay, o["error"])
+                delays.append(delay)
+            else:
+                assert o["type"] in (None, "TransferError", "ReshardError", "RuntimeError", "KeyboardInterrupt"), (where, o)
+            if stage == "construct":
+                continue
+            st = o["state"]
+            assert o["claims_true"], (where, st)                  # no buffer claims bytes it does not hold
+            assert o["src_untouched"], where
+            if o["type"] is not None:
+                assert st["interrupted"] and st["version"] == 1, (where, st)
+                assert set(st["buffers"].values()) <= {1, 2, None}, (where, st)
+            assert o["recovered_version"] == 2 and o["recovered_exact"], (where, o["recovered_state"])
+            assert not o["recovered_state"]["interrupted"] and not o["recovered_state"]["incomplete"], where
+    print(f"\nnon-lethal faults: {len(CASES)} cases x 3 ranks, survivors raised after "
+          f"{min(delays):.2f}..{max(delays):.2f} s (T = {T} s)")
+
+
+@pytest.mark.parametrize("stage,victim", [("start", 2), ("round", 1), ("unpack", 2), ("confirm", 0)])
+def test_sigkill(stage, victim):
+    with tempfile.TemporaryDirectory() as tmp:
+        stamp = os.path.join(tmp, "stamp")
+        out = spawn_partial(adversarial_workers.killed, 3, stage, victim, T, stamp, timeout=120, pg_timeout=60)
+        with open(stamp) as f:
+            died_at = float(f.read())
+    for rank, o in out.items():
+        if rank == victim:
+            assert not o["ok"] and o["exitcode"] == -9, o
+            continue
+        assert o["ok"], o["error"]
+        res = o["result"]
+        assert res["type"] == "TransferError", (rank, res)
+        assert res["raised_at"] - died_at < 2 * T + 0.5, (rank, res["raised_at"] - died_at, res["error"])
+        assert res["claims_true"], res["state"]
+        assert res["state"]["interrupted"] and res["state"]["version"] == 1, res["state"]

@@ -1,0 +1,224 @@
+"""Trust under misuse (issue #13): items 1, 3-11 and more misuse, on real gloo processes.
+
+One 2-rank launch (``adversarial_workers.misuse``) runs every case in turn on the same group;
+each asserts the documented outcome: refused before any byte moved (destinations and sources
+keep their exact bytes) on every rank, or bit-exact success.  Pure checks (numbers, shapes,
+placements, the NCCL host-side wait) run in-process.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from partial_launch import spawn_ok
+
+import adversarial_workers
+
+pytestmark = pytest.mark.multiproc
+
+COUNTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def misuse():
+    return spawn_ok(adversarial_workers.misuse, 2, timeout=300, pg_timeout=60)
+
+
+def _refused(res, case, *, kind="ReshardError", text=None):
+    for rank, r in enumerate(res):
+        o = r[case]
+        assert o["type"] == kind, (rank, case, o)
+        assert o["dst_untouched"] and o["src_untouched"], (rank, case, o)
+        if text:
+            assert text in o["error"], (rank, case, o["error"])
+    COUNTS[case] = "refused"
+
+
+def test_item1_two_resharders_refit_in_different_orders(misuse):
+    for rank, r in enumerate(misuse):
+        for k in ("cross_1", "cross_2"):
+            assert r[k]["type"] == "ReshardError", (rank, r[k])
+            assert "ranks refit different Resharders" in r[k]["error"], r[k]["error"]
+        assert r["cross_untouched"], rank              # not one destination byte written
+        assert r["cross_states"] == [0, 0, False, False], r["cross_states"]
+        assert r["cross_after_exact"], rank             # same order afterwards: both bit-exact
+
+
+def test_item3_interrupted_right_after_the_confirmation_recovers(misuse):
+    for rank, r in enumerate(misuse):
+        attempts = r["after_confirm"]["attempts"]
+        assert len(attempts) == 4
+        for k, a in enumerate(attempts):
+            assert a["first"] == ("KeyboardInterrupt" if rank == 1 else "ok"), a
+            if rank == 1:
+                assert a["state_after"]["interrupted"], a
+            # the same group is refused on every rank (operations may be pending): rebind first
+            assert a["same_group"]["type"] == "ReshardError" and "call rebind(new_group)" in a["same_group"]["error"], a
+            # rebind + refit() converges without version=: the highest proposal wins
+            assert a["recovered"]["type"] is None, a
+            assert a["recovered"]["result"] == 3 + 2 * k, a   # rank 0 confirmed 2 + 2k, the recovery is the next
+            assert a["state"]["version"] == 3 + 2 * k and not a["state"]["interrupted"] and not a["state"]["incomplete"], a
+            assert a["exact"], a
+
+
+def test_item4_tampered_plans_and_foreign_layouts_refused(misuse):
+    _refused(misuse, "plan_reshaped_box", text="differ in shape")
+    _refused(misuse, "plan_dtype_relabelled", text="src_dtype int32")
+    _refused(misuse, "plan_of_other_layouts", text="layout")
+    _refused(misuse, "plan_float_offsets", text="must be integers")
+
+
+def test_item5_parameters(misuse):
+    for rank, r in enumerate(misuse):
+        o = r["parameters"]
+        assert o["type"] is None, o
+        assert o["exact"] and o["still_parameters"], o
+
+
+def test_item6_staging_aliasing_refused(misuse):
+    _refused(misuse, "staging_aliases_src", text="overwrite the source weights")
+    _refused(misuse, "staging_aliases_dst", text="share memory")
+    _refused(misuse, "staging_not_uint8", text="uint8")
+
+
+def test_item7_meta_device_refused(misuse):
+    _refused(misuse, "meta_dst", text="meta device")
+    _refused(misuse, "meta_src", text="meta device")
+
+
+def test_item8_options_and_threads(misuse):
+    _refused(misuse, "overlap_differs", text="options differ between ranks")
+    _refused(misuse, "overlap_env_differs", text="overlap=0")
+    for rank, r in enumerate(misuse):
+        o = r["overlap_env_changed"]
+        assert o["type"] == "ReshardError" and "options differ between ranks" in o["error"] and o["dst_untouched"], o
+        assert r["overlap_env_restored"]["type"] is None and r["overlap_env_restored"]["result"] == 1
+        th = r["threads"]
+        assert th["alive"] == [False, False], th
+        kinds = sorted(str(th[t]["type"]) for t in ("t1", "t2"))
+        assert "ReshardError" in kinds, th          # at least one thread refused, clearly; no abort
+        for t in ("t1", "t2"):
+            if th[t]["type"]:
+                assert th[t]["type"] == "ReshardError", th[t]
+                assert ("same process group" in th[t]["error"] or "ranks refit different Resharders" in th[t]["error"]), th[t]
+        assert th["claims_exact"], th
+
+
+def test_item9_numbers_refused(misuse):
+    for bad in (0, -1, float("nan"), float("inf"), "5", True):
+        _refused(misuse, f"timeout={bad!r}", kind="ValueError", text="timeout=")
+    for case in ("version=-1", "version=1.5"):
+        _refused(misuse, case, kind="ValueError", text="version=")
+
+
+def test_item11_source_written_during_refit_detected_with_verify(misuse):
+    for rank, r in enumerate(misuse):
+        o = r["source_written"]
+        assert o["type"] == "TransferError", o
+        assert "changed during refit 1" in o["error"] and "must not write the sources" in o["error"], o["error"]
+        # no buffer claims the mixed refit
+        assert 1 not in o["state"]["buffers"].values(), o["state"]
+
+
+def test_rebind_misuse(misuse):
+    for r in misuse:
+        assert r["rebind_same_ok"]["type"] is None and r["rebind_same_ok"]["result"] == 2
+        assert r["rebind_different"]["type"] == "ReshardError" and "different Resharders" in r["rebind_different"]["error"]
+        # wrong order (a refit on one rank meets a rebind on the other): refused on both, then fine
+        assert r["wrong_order"]["type"] == "ReshardError", r["wrong_order"]
+        assert "different protocol steps" in r["wrong_order"]["error"], r["wrong_order"]["error"]
+        assert r["wrong_order_then"]["type"] is None and r["wrong_order"] and r["wrong_order_exact"], r["wrong_order_then"]
+
+
+def test_every_dtype_and_shape_bit_exact(misuse):
+    for rank, r in enumerate(misuse):
+        assert len(r["dtypes"]) == 6
+        for k, o in r["dtypes"].items():
+            assert o["exact"], (rank, k, o["mismatched"])
+
+
+def test_item10_missing_peer_named():
+    out = spawn_ok(adversarial_workers.missing_peer, 2, timeout=120, pg_timeout=60)
+    o = out[0]
+    assert o["type"] == "ReshardError", o
+    assert "ranks [1] did not answer" in o["error"], o["error"]
+    assert o["seconds"] < 4 * 2.0, o
+
+
+# --------------------------------------------------------------------------------- in-process
+
+
+def test_item9_shapes_placements_and_plans_refused_in_process():
+    from mcore_reshard.core.box import Box
+    from mcore_reshard.core.layout import Layout, LayoutError, shard_box
+    from mcore_reshard.core.mesh import Mesh
+    from mcore_reshard.core.dtensor import local_intervals
+    from mcore_reshard.core.executor.common import check_timeout
+    from torch.distributed.tensor import Shard
+
+    lay = Layout()
+    for shape in ((2.5, 4), (-1, 4), ("8", 4), (True, 4), 7):
+        with pytest.raises(LayoutError, match="shape"):
+            lay.add_tensor("w", shape, "float32")
+    with pytest.raises(LayoutError, match="unknown dtype"):
+        lay.add_tensor("w", (2, 2), "float33")
+    with pytest.raises(LayoutError, match="out of range"):
+        shard_box((4, 4), Mesh.of({"tp": 2}), 0, [("tp", 2)])
+    with pytest.raises(ValueError, match="out of range"):
+        local_intervals((4, 4), [2], [0], [Shard(3)])
+    for box in (((0.5, 0), (2, 2)), ((0, 0), (2.0, 2))):
+        with pytest.raises(ValueError, match="integers"):
+            Box(*box)
+    for bad in (0, -1, math.nan, math.inf, "5", True, [1]):
+        with pytest.raises(ValueError, match="timeout="):
+            check_timeout(bad)
+    assert check_timeout(None) is None and check_timeout(2) == 2.0
+    from mcore_reshard.refit import MegatronRefit
+    for bad in (math.nan, math.inf, "4096", 100, 4096.0):
+        with pytest.raises(ValueError, match="budget_bytes="):
+            MegatronRefit([], [], budget_bytes=bad)
+
+
+def test_nccl_host_side_deadline_and_abort(monkeypatch):
+    """NCCL's Work.wait does not block the host: bounded_wait polls is_completed() against the
+    deadline and aborts the communicator (here a fake work and group: no GPU)."""
+    import time
+    import mcore_reshard.core.executor.common as common
+
+    class NeverDone:
+        waited = 0
+
+        def is_completed(self):
+            return False
+
+        def wait(self, *a):
+            NeverDone.waited += 1      # would return at once on NCCL: must not be relied on
+
+    aborted = []
+    monkeypatch.setattr(common, "_blocking", lambda g: False)
+    monkeypatch.setattr(common, "abort_group", lambda g: aborted.append(g))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="communicator aborted"):
+        common.bounded_wait(NeverDone(), 0.3, group="fake-nccl-group")
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 1.5, took
+    assert aborted == ["fake-nccl-group"] and NeverDone.waited == 0
+
+    class DoneLater:
+        def __init__(self):
+            self.t = time.monotonic() + 0.1
+            self.waited = 0
+
+        def is_completed(self):
+            return time.monotonic() > self.t
+
+        def wait(self, *a):
+            self.waited += 1
+
+    w = DoneLater()
+    common.bounded_wait(w, 5.0, group="fake-nccl-group")
+    assert w.waited == 1 and len(aborted) == 1
+    # a timeout error is classified as such by the round error text
+    from mcore_reshard.core.executor.errors import is_timeout
+    assert is_timeout(TimeoutError("Timed out waiting 300ms (host-side deadline; communicator aborted)"))

@@ -1,0 +1,120 @@
+"""Plan tampering (issue #13, item 4 and wider): every field of every copy, message, tensor,
+buffer and padding entry of a JSON plan, changed one at a time.
+
+The documented outcome for each tampered plan: refused before any byte moves (on every rank, a
+``ReshardError``; or ``Plan.from_json`` itself refuses, identically on every rank), or a refit
+whose destination is bit-exact.  Never success with wrong bytes.
+
+The Resharders are bound with ``layouts=(src, dst)`` (what ``MegatronRefit`` does): a plan alone
+cannot tell one source region from another of the same squeezed shape (``[0:2, 0:1, 0:2]`` vs
+``[0:1, 0:2, 0:2]`` of a ``[2, 2, 2]`` buffer), its layouts can.
+
+* ``test_tampered_plans_in_process`` (hypothesis, no processes): the executor's own checks
+  (``validation.check_binding``, per rank) decide refuse / accept; an accepted plan is applied by
+  a mirror of the executor (``plan_mutations.simulate``) and compared with the reference.
+* ``test_tampered_plans_over_gloo``: a seeded batch of mutations through real ``Resharder``s on
+  2 gloo ranks, each checked by value; the in-process verdict must match the real one.
+"""
+from __future__ import annotations
+
+import json
+import random
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import adversarial_workers as aw
+import plan_mutations
+from mcore_reshard.core.executor import validation
+from mcore_reshard.core.planner import Plan, make_plan
+from partial_launch import spawn_ok
+
+SRC, DST = aw.dtype_layouts(2)
+FULL = aw.full_tensors(SRC)
+PLANS = {b: make_plan(SRC, DST, budget_bytes=b) for b in (1024, 1 << 20)}
+COUNTS = {"cases": 0, "refused": 0, "exact": 0}
+
+
+def _verdict(pj: dict) -> tuple[str, str]:
+    """('refused', why) or ('exact' | 'WRONG', label) for one tampered plan, in process."""
+    try:
+        plan = Plan.from_json(pj)
+    except Exception as e:  # noqa: BLE001
+        return "refused", f"from_json: {type(e).__name__}"
+    S = {r: aw.cut(SRC, r, FULL) for r in (0, 1)}
+    D = {r: aw.cut(DST, r, FULL, fill=7) for r in (0, 1)}
+    with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
+        for r in (0, 1):
+            try:
+                errs = validation.check_binding(plan, r, 2, None, S[r], D[r], None, layouts=(SRC, DST))
+            except Exception as e:  # noqa: BLE001 - the executor reports a crashed check as a refusal too
+                errs = [f"validation failed: {type(e).__name__}: {e}"]
+            if errs:
+                return "refused", errs[0]
+    before = {r: aw.digest_of(S[r]) for r in S}
+    try:
+        plan_mutations.simulate(plan, S, D)
+    except Exception as e:  # noqa: BLE001 - an accepted plan that the executor could not apply
+        return "WRONG", f"accepted, then failed mid-refit: {type(e).__name__}: {e}"
+    want = {r: aw.cut(DST, r, FULL, fill=0) for r in (0, 1)}
+    ok = all(aw.same_bits(want[r], D[r]) for r in (0, 1)) and all(aw.digest_of(S[r]) == before[r] for r in S)
+    return ("exact", "") if ok else ("WRONG", "accepted, destination differs from the reference")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rnd=st.randoms(use_true_random=False), budget=st.sampled_from(sorted(PLANS)))
+def test_tampered_plans_in_process(rnd, budget):
+    pj = json.loads(PLANS[budget].dumps())
+    label, q = plan_mutations.mutate(pj, rnd)
+    verdict, why = _verdict(q)
+    COUNTS["cases"] += 1
+    COUNTS[verdict.lower()] = COUNTS.get(verdict.lower(), 0) + 1
+    assert verdict != "WRONG", (label, why)
+
+
+def test_untampered_plans_are_exact():
+    for plan in PLANS.values():
+        assert _verdict(json.loads(plan.dumps())) == ("exact", "")
+
+
+N_GLOO = 40
+
+
+@pytest.mark.multiproc
+def test_tampered_plans_over_gloo():
+    rnd = random.Random(1313)
+    mutations, verdicts = [], []
+    for k in range(N_GLOO):
+        pj = json.loads(PLANS[(1024, 1 << 20)[k % 2]].dumps())
+        label, q = plan_mutations.mutate(pj, rnd)
+        mutations.append((label, q))
+        verdicts.append(_verdict(q)[0])
+    mutations.append(("untampered", json.loads(PLANS[1024].dumps())))
+    verdicts.append("exact")
+    results = spawn_ok(aw.tampered_plans, 2, None, mutations, timeout=300, pg_timeout=60)
+    refused = exact = 0
+    for k, want in enumerate(verdicts):
+        per_rank = [r[k] for r in results]
+        label = mutations[k][0]
+        types = {o["type"] for o in per_rank}
+        if per_rank[0]["type"] is None:
+            assert types == {None}, (label, per_rank)
+            assert all(o["exact"] for o in per_rank), (label, "success with wrong bytes", per_rank)
+            exact += 1
+        else:
+            assert None not in types, (label, "refused on some ranks only", per_rank)
+            for o in per_rank:
+                assert o["type"] == "ReshardError" or o["type"].startswith("from_json:"), (label, o)
+                assert o["dst_untouched"] and o["src_untouched"], (label, o)
+            refused += 1
+        # the in-process oracle (executor checks + mirror) agrees with the real executor
+        assert want == ("exact" if per_rank[0]["type"] is None else "refused"), (label, want, per_rank[0])
+    assert refused >= N_GLOO // 2 and exact >= 1, (refused, exact)
+    print(f"\ntampered plans over gloo: {len(verdicts)} cases, {refused} refused before a byte moved, {exact} bit-exact")
+
+
+def test_zz_report(capsys):
+    with capsys.disabled():
+        print(f"\ntampered plans in process: {COUNTS}")
