@@ -39,17 +39,22 @@ from .plan import (ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, Pla
 from .rounds import _pack_rounds
 from .senders import _rebalance, choose_senders
 from .stats import _stats, plan_part, plan_stats
+from .templates import TemplatedPlan, make_templated
 from .validate import validate_plan
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
-              ignore_unused: bool = False) -> Plan:
+              ignore_unused: bool = False, templates: bool = True) -> Plan:
     """Plan the transfer of every destination piece from the source layout.
 
     ``budget_bytes`` is the hard per-rank staging limit per round: the bytes a rank stages to send
     plus the bytes it stages to receive in one round never exceed it (the executor allocates one
     staging buffer per rank of at most this size); larger copies are split.  Raises :class:`PlanError` before anything is planned to move
     when the layouts disagree (names, shapes, dtypes) or a destination region has no source.
+
+    ``templates``: where layers repeat one geometry (``layers.<n>.`` names), plan each distinct
+    geometry once and return a :class:`~.templates.TemplatedPlan` (same interface, copies made on
+    first use, one rank's part without the others'); False: always the copy-by-copy plan.
     """
     if budget_bytes < 1024:
         raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
@@ -58,6 +63,12 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     paused = gc.isenabled()
     gc.disable()
     try:
+        if templates:
+            tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
+            plan = make_templated(src, dst, tensors, budget_bytes, allow_cast, _make_plan)
+            if plan is not None:
+                plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
+                return plan
         return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused)
     finally:
         if paused:
@@ -109,5 +120,5 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "make_plan",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "TemplatedPlan", "make_plan",
            "plan_part", "plan_stats", "validate_plan"]
