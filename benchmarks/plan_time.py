@@ -8,7 +8,8 @@ For each configuration: the wall and CPU seconds of the whole plan (``make_plan`
 resident memory added while planning (VmHWM), one rank's part (``plan_part`` of the busiest rank:
 from the templates alone for a templated plan), and each as a ratio to the loop
 ``s = 0; for i in range(10_000_000): s += i`` inside a function (the best of 3, before and after).
-``--classic``: the copy-by-copy planner (``templates=False``).  ``--hash``: also the plan hash and
+``--classic``: the copy-by-copy planner (``templates=False``); ``--always``: the templated plan
+even where its rounds exceed ``ROUND_SLACK`` x the fewest possible (``templates="always"``).  ``--hash``: also the plan hash and
 its time.  ``--check``: also ``validate_plan`` of the busiest rank's part.
 Configurations: those of ``mcore_reshard.tools.bench`` and ``fp8_tp8``.
 """
@@ -56,7 +57,7 @@ def build(name: str):
     return conf.build(conf.model() if hasattr(conf, "model") else dsv3_671b())
 
 
-def run(name: str, classic: bool, want_hash: bool, check: bool) -> dict:
+def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = False) -> dict:
     t0 = time.perf_counter()
     src, dst = build(name)
     layout_s = time.perf_counter() - t0
@@ -69,10 +70,12 @@ def run(name: str, classic: bool, want_hash: bool, check: bool) -> dict:
         from mcore_reshard.fp8.plan import make_fp8_plan
         plan = make_fp8_plan(src, dst, (128, 128), budget_bytes=BUDGET, allow_cast=True, ignore_unused=True)
     else:
-        plan = make_plan(src, dst, budget_bytes=BUDGET, ignore_unused=True, templates=not classic)
+        plan = make_plan(src, dst, budget_bytes=BUDGET, ignore_unused=True,
+                         templates=False if classic else ("always" if always else True))
     plan_s, plan_cpu = time.perf_counter() - w0, time.process_time() - c0
     mem = peak_bytes() - rss0
-    out = {"name": name, "planner": "classic" if classic else "templated", "layout_s": round(layout_s, 2),
+    from mcore_reshard.core.planner import TemplatedPlan
+    out = {"name": name, "planner": "templated" if isinstance(plan, TemplatedPlan) else "classic", "layout_s": round(layout_s, 2),
            "plan_s": round(plan_s, 3), "plan_cpu_s": round(plan_cpu, 3), "rss_added_mib": round(mem / 2**20)}
     if name != "fp8_tp8":
         s = plan.stats
@@ -111,4 +114,5 @@ def run(name: str, classic: bool, want_hash: bool, check: bool) -> dict:
 if __name__ == "__main__":
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     for name in [a for a in sys.argv[1:] if not a.startswith("--")]:
-        print(json.dumps(run(name, "--classic" in flags, "--hash" in flags, "--check" in flags)), flush=True)
+        print(json.dumps(run(name, "--classic" in flags, "--hash" in flags, "--check" in flags, "--always" in flags)),
+              flush=True)

@@ -9,7 +9,8 @@ import json
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mcore_reshard.core.layout import Buffer, Layout, Piece
-from mcore_reshard.core.planner import Plan, TemplatedPlan, make_plan, plan_part, plan_stats, validate_plan
+from mcore_reshard.core.planner import (ROUND_SLACK, Plan, TemplatedPlan, _fewest_rounds, make_plan, plan_part,
+                                        plan_stats, validate_plan)
 
 from test_planner_properties import cases, check_plan
 
@@ -58,8 +59,11 @@ def _same_messages(a, b) -> bool:
 @given(layered_cases())
 def test_templated_plans_are_exact_minimal_and_agree_rank_by_rank(case):
     src, dst, budget = case
-    plan = make_plan(src, dst, budget_bytes=budget)
+    plan = make_plan(src, dst, budget_bytes=budget, templates="always")
     assert isinstance(plan, TemplatedPlan)
+    # by default the templated plan only where its rounds are near the fewest possible
+    default = make_plan(src, dst, budget_bytes=budget)
+    assert isinstance(default, TemplatedPlan) == (plan.rounds <= ROUND_SLACK * _fewest_rounds(plan) + 1)
     assert plan.stats["instances"] > plan.stats["templates"]
     check_plan(src, dst, plan)          # values, every element once, bytes = brute lower bound, budget
     classic = make_plan(src, dst, budget_bytes=budget, templates=False)
@@ -81,7 +85,7 @@ def test_templated_plans_are_exact_minimal_and_agree_rank_by_rank(case):
     # deterministic: the same plan from JSON round-tripped layouts and from the plan's own JSON
     src2 = Layout.from_json(json.loads(json.dumps(src.to_json())))
     dst2 = Layout.from_json(json.loads(json.dumps(dst.to_json())))
-    assert make_plan(src2, dst2, budget_bytes=budget).hash == plan.hash
+    assert make_plan(src2, dst2, budget_bytes=budget, templates="always").hash == plan.hash
     loaded = Plan.from_json(json.loads(plan.dumps()))
     assert isinstance(loaded, TemplatedPlan) and loaded.hash == plan.hash
     assert _same_messages(loaded.messages, plan.messages)
