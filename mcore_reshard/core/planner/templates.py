@@ -292,7 +292,7 @@ class TemplatedPlan(Plan):
             self.items_in[g].append((i, k))
         self.name = _Namer()
         self._cache: dict = {}
-        self.stats = self._stats()
+        self.stats = _templated_stats(self)
 
     # -------------------------------------------------------------- compact form
     def to_json(self) -> dict:
@@ -353,7 +353,7 @@ class TemplatedPlan(Plan):
     def buffers(self) -> dict:
         got = self._cache.get("buffers")
         if got is None:
-            got = self._cache["buffers"] = self._buffers(None)
+            got = self._cache["buffers"] = _templated_buffers(self, None)
         return got
 
     @property
@@ -427,72 +427,74 @@ class TemplatedPlan(Plan):
         out.sort(key=lambda x: (x[0], x[1]))
         return out
 
-    def _buffers(self, wanted: set[int] | None) -> dict:
-        out: dict = {"src": {}, "dst": {}}
-        for inst in self.instances:
-            t = self.templates[inst[0]]
-            nums, ranks = inst[1], inst[2]
-            for side, n in (("src", nums[1]), ("dst", nums[2])):
-                tb = t.plan.buffers[side]
-                for j, bufs in tb.items():
-                    r = ranks[j]
-                    if wanted is not None and r not in wanted:
-                        continue
-                    mine = out[side].setdefault(r, {})
-                    for bname, meta in bufs.items():
-                        mine[self.name(bname, n)] = meta
-        for side in out:
-            out[side] = {r: dict(sorted(b.items())) for r, b in sorted(out[side].items())}
-        return out
+def _templated_buffers(self: "TemplatedPlan", wanted: set[int] | None) -> dict:
+    """``buffers`` of a templated plan: every rank's (``wanted`` None) or those of ``wanted``."""
+    out: dict = {"src": {}, "dst": {}}
+    for inst in self.instances:
+        t = self.templates[inst[0]]
+        nums, ranks = inst[1], inst[2]
+        for side, n in (("src", nums[1]), ("dst", nums[2])):
+            tb = t.plan.buffers[side]
+            for j, bufs in tb.items():
+                r = ranks[j]
+                if wanted is not None and r not in wanted:
+                    continue
+                mine = out[side].setdefault(r, {})
+                for bname, meta in bufs.items():
+                    mine[self.name(bname, n)] = meta
+    for side in out:
+        out[side] = {r: dict(sorted(b.items())) for r, b in sorted(out[side].items())}
+    return out
 
-    # -------------------------------------------------------------- stats from the templates
-    def _stats(self) -> dict:
-        from .stats import _totals_dict
-        sent: dict[int, int] = defaultdict(int)
-        recv: dict[int, int] = defaultdict(int)
-        stage_send: dict[tuple[int, int], int] = defaultdict(int)
-        stage_recv: dict[tuple[int, int], int] = defaultdict(int)
-        lower = local = pad = 0
-        tstats = []
-        for t in self.templates:
-            p = t.plan
-            tsent: dict[int, int] = defaultdict(int)
-            trecv: dict[int, int] = defaultdict(int)
-            for m in p.messages:
-                payload = sum(c.nbytes for c in m.entries)
-                tsent[m.src] += payload
-                trecv[m.dst] += payload
-            tstats.append((tsent, trecv, p.stats["lower_bound_bytes"], p.stats["local_bytes"], p.stats["padding_bytes"]))
-        for tid, _, ranks in self.instances:
-            tsent, trecv, lb, lc, pd = tstats[tid]
-            for j, v in tsent.items():
-                sent[ranks[j]] += v
-            for j, v in trecv.items():
-                recv[ranks[j]] += v
-            lower += lb
-            local += lc
-            pad += pd
-        messages = 0
-        for g, items in self.items_in.items():
-            pairs = set() if len(items) > 1 else None
-            for i, k in items:
-                tid, _, ranks = self.instances[i]
-                t = self.templates[tid]
-                for j, v in t.send.get(k, {}).items():
-                    stage_send[(g, ranks[j])] += v
-                for j, v in t.recv.get(k, {}).items():
-                    stage_recv[(g, ranks[j])] += v
-                ms = t.by_round.get(k, ())
-                if pairs is None:
-                    messages += len(ms)
-                else:
-                    pairs.update((ranks[m.src], ranks[m.dst]) for m in ms)
-            if pairs is not None:
-                messages += len(pairs)
-        stats = _totals_dict(self.ranks, (sent, recv, stage_send, stage_recv), lower, local, pad, messages, self.rounds)
-        stats["templates"] = len(self.templates)
-        stats["instances"] = len(self.instances)
-        return stats
+
+def _templated_stats(self: "TemplatedPlan") -> dict:
+    """The stats of a templated plan, counted from its templates and placement (no copies made)."""
+    from .stats import _totals_dict
+    sent: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    stage_send: dict[tuple[int, int], int] = defaultdict(int)
+    stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    lower = local = pad = 0
+    tstats = []
+    for t in self.templates:
+        p = t.plan
+        tsent: dict[int, int] = defaultdict(int)
+        trecv: dict[int, int] = defaultdict(int)
+        for m in p.messages:
+            payload = sum(c.nbytes for c in m.entries)
+            tsent[m.src] += payload
+            trecv[m.dst] += payload
+        tstats.append((tsent, trecv, p.stats["lower_bound_bytes"], p.stats["local_bytes"], p.stats["padding_bytes"]))
+    for tid, _, ranks in self.instances:
+        tsent, trecv, lb, lc, pd = tstats[tid]
+        for j, v in tsent.items():
+            sent[ranks[j]] += v
+        for j, v in trecv.items():
+            recv[ranks[j]] += v
+        lower += lb
+        local += lc
+        pad += pd
+    messages = 0
+    for g, items in self.items_in.items():
+        pairs = set() if len(items) > 1 else None
+        for i, k in items:
+            tid, _, ranks = self.instances[i]
+            t = self.templates[tid]
+            for j, v in t.send.get(k, {}).items():
+                stage_send[(g, ranks[j])] += v
+            for j, v in t.recv.get(k, {}).items():
+                stage_recv[(g, ranks[j])] += v
+            ms = t.by_round.get(k, ())
+            if pairs is None:
+                messages += len(ms)
+            else:
+                pairs.update((ranks[m.src], ranks[m.dst]) for m in ms)
+        if pairs is not None:
+            messages += len(pairs)
+    stats = _totals_dict(self.ranks, (sent, recv, stage_send, stage_recv), lower, local, pad, messages, self.rounds)
+    stats["templates"] = len(self.templates)
+    stats["instances"] = len(self.instances)
+    return stats
 
 
 def part_of(plan: TemplatedPlan, rank: int) -> Plan:
@@ -502,7 +504,7 @@ def part_of(plan: TemplatedPlan, rank: int) -> Plan:
     local = plan._local(rank)
     padding = plan._padding(rank)
     peers = {rank} | {m.src for m in messages} | {m.dst for m in messages}
-    part = Plan(plan.tensors, plan._buffers(peers), messages, local, padding, plan.budget_bytes, plan.rounds)
+    part = Plan(plan.tensors, _templated_buffers(plan, peers), messages, local, padding, plan.budget_bytes, plan.rounds)
     part.stats = {"rank": rank}
     part.__dict__["_whole"] = plan
     return part
