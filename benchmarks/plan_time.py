@@ -75,7 +75,8 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
     plan_s, plan_cpu = time.perf_counter() - w0, time.process_time() - c0
     mem = peak_bytes() - rss0
     from mcore_reshard.core.planner import TemplatedPlan
-    out = {"name": name, "planner": "templated" if isinstance(plan, TemplatedPlan) else "classic", "layout_s": round(layout_s, 2),
+    kind = "make_fp8_plan" if name == "fp8_tp8" else "templated" if isinstance(plan, TemplatedPlan) else "classic"
+    out = {"name": name, "planner": kind, "layout_s": round(layout_s, 2),
            "plan_s": round(plan_s, 3), "plan_cpu_s": round(plan_cpu, 3), "rss_added_mib": round(mem / 2**20)}
     if name != "fp8_tp8":
         s = plan.stats
