@@ -1,69 +1,119 @@
-"""Plan time, plan memory, rounds and staging of one full-size configuration, plan only (no layout
-analytics, no cost model), as one JSON line -- for before/after comparisons of the planner::
+"""Plan time and memory of full-size configurations, as JSON lines, with a reference loop timed in
+the same process (this machine's speed varies several-fold with load: compare ratios)::
 
-    PYTHONPATH=<a checkout> python benchmarks/plan_time.py nccl_m2n [hash]
+    python benchmarks/plan_time.py nemo_rl nccl_m2n ... [--classic] [--hash] [--check]
 
-Runs whatever ``mcore_reshard`` is importable, so the same script times an older checkout (e.g.
-``git archive <rev> mcore_reshard layouts | tar -x -C /tmp/before``) and the current one in turn on
-the same machine.  Reported: wall and CPU seconds of ``make_plan`` (256 MiB budget,
-``ignore_unused=True``), resident memory added while planning (VmHWM), rounds and the fewest
-possible (the busiest rank's staged send + receive bytes / budget), the largest send + receive
-staging of a rank in one round (what the executor allocates now), the same under the old rule (max
-send + max receive, allocated separately), and one rank's own part (the busiest rank's messages,
-filtered from the whole plan: see ``planner.plan_part``).  ``hash``: also the plan hash (seconds).
+For each configuration: the wall and CPU seconds of the whole plan (``make_plan``, 256 MiB budget,
+``ignore_unused=True``; ``fp8_tp8``: ``make_fp8_plan`` 671B Megatron TP8 -> vLLM TP8, block 128),
+resident memory added while planning (VmHWM), one rank's part (``plan_part`` of the busiest rank:
+from the templates alone for a templated plan), and each as a ratio to the loop
+``s = 0; for i in range(10_000_000): s += i`` inside a function (the best of 3, before and after).
+``--classic``: the copy-by-copy planner (``templates=False``); ``--always``: the templated plan
+even where its rounds exceed ``ROUND_SLACK`` x the fewest possible (``templates="always"``).  ``--hash``: also the plan hash and
+its time.  ``--check``: also ``validate_plan`` of the busiest rank's part.
+Configurations: those of ``mcore_reshard.tools.bench`` and ``fp8_tp8``.
 """
 import gc
 import json
 import sys
 import time
 
+from mcore_reshard.core.planner import make_plan, plan_part, validate_plan
 from mcore_reshard.tools import bench
 from mcore_reshard.tools.memstat import peak_bytes, reset_peak, rss_bytes
-from mcore_reshard.core.planner import make_plan
-from mcore_reshard.targets import dsv3_671b
 
-name = sys.argv[1]
-budget = 256 << 20
-t0 = time.perf_counter()
-src, dst = bench.CONFIGS[name].build(dsv3_671b())
-layout_s = time.perf_counter() - t0
-gc.collect()
-rss0 = rss_bytes()
-reset_peak()
-c0, w0 = time.process_time(), time.perf_counter()
-plan = make_plan(src, dst, budget_bytes=budget, ignore_unused=True)
-plan_s, plan_cpu = time.perf_counter() - w0, time.process_time() - c0
-mem = peak_bytes() - rss0
-stage, ss, sr, staged = {}, {}, {}, {}
-for m in plan.messages:
-    for key, d in (((m.round, m.src), ss), ((m.round, m.dst), sr)):
-        d[key] = d.get(key, 0) + m.nbytes
-        stage[key] = stage.get(key, 0) + m.nbytes
-    staged[m.src] = staged.get(m.src, 0) + m.nbytes
-    staged[m.dst] = staged.get(m.dst, 0) + m.nbytes
-busiest = max(sorted(staged), key=lambda r: staged[r])
-t0 = time.perf_counter()
-part_msgs = [m for m in plan.messages if m.src == busiest or m.dst == busiest]
-part_local = [c for c in plan.local_copies if c.dst == busiest or c.src == busiest]
-part_s = time.perf_counter() - t0
-old_rule = {}      # per rank [max send staging, max receive staging] over rounds
-for (k, r), v in ss.items():
-    e = old_rule.setdefault(r, [0, 0])
-    e[0] = max(e[0], v)
-for (k, r), v in sr.items():
-    e = old_rule.setdefault(r, [0, 0])
-    e[1] = max(e[1], v)
-out = {"name": name, "layout_s": round(layout_s, 2), "plan_s": round(plan_s, 2), "plan_cpu_s": round(plan_cpu, 2),
-       "part_extract_s": round(part_s, 3), "part_rank": busiest, "part_messages": len(part_msgs),
-       "part_copies": sum(len(m.entries) for m in part_msgs) + len(part_local),
-       "rss_added_mib": round(mem / 2**20), "rounds": plan.rounds, "rounds_lower_bound": -(-max(staged.values()) // budget),
-       "messages": len(plan.messages), "copies": sum(len(m.entries) for m in plan.messages),
-       "local_copies": len(plan.local_copies),
-       "network_eq_lb": plan.stats["network_bytes"] == plan.stats["lower_bound_bytes"],
-       "max_stage_send_recv_sum_mib": round(max(stage.values()) / 2**20, 1),
-       "executor_staging_old_rule_mib": round(max(a + b for a, b in old_rule.values()) / 2**20, 1)}
-if len(sys.argv) > 2:
+BUDGET = 256 << 20
+
+
+def loop() -> int:
+    s = 0
+    for i in range(10_000_000):
+        s += i
+    return s
+
+
+def loop_s() -> tuple[float, float]:
+    """(wall, CPU) seconds of :func:`loop`, the best of 3."""
+    best, cpu = float("inf"), float("inf")
+    for _ in range(3):
+        t, c = time.perf_counter(), time.process_time()
+        loop()
+        best, cpu = min(best, time.perf_counter() - t), min(cpu, time.process_time() - c)
+    return best, cpu
+
+
+def build(name: str):
+    from mcore_reshard.targets import dsv3_671b
+    if name == "fp8_tp8":
+        from mcore_reshard.fp8.layout import fp8_target
+        from mcore_reshard.fp8.plan import quantized_tensors
+        from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
+        from mcore_reshard.targets import vllm_layout
+        cfg = dsv3_671b()
+        src = megatron_layout(cfg, ParallelSizes(tp=8), "deepseek_v3", dtype="bfloat16")
+        dst = vllm_layout(cfg, tp=8, rank_offset=8)
+        return src, fp8_target(dst, quantized_tensors(dst, "deepseek_v3", (128, 128)), (128, 128))
+    conf = bench.CONFIGS[name]
+    return conf.build(conf.model() if hasattr(conf, "model") else dsv3_671b())
+
+
+def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = False) -> dict:
     t0 = time.perf_counter()
-    out["hash"] = plan.hash[:16]
-    out["hash_s"] = round(time.perf_counter() - t0, 2)
-print(json.dumps(out), flush=True)
+    src, dst = build(name)
+    layout_s = time.perf_counter() - t0
+    gc.collect()
+    before = loop_s()
+    rss0 = rss_bytes()
+    reset_peak()
+    c0, w0 = time.process_time(), time.perf_counter()
+    if name == "fp8_tp8":
+        from mcore_reshard.fp8.plan import make_fp8_plan
+        plan = make_fp8_plan(src, dst, (128, 128), budget_bytes=BUDGET, allow_cast=True, ignore_unused=True)
+    else:
+        plan = make_plan(src, dst, budget_bytes=BUDGET, ignore_unused=True,
+                         templates=False if classic else ("always" if always else True))
+    plan_s, plan_cpu = time.perf_counter() - w0, time.process_time() - c0
+    mem = peak_bytes() - rss0
+    from mcore_reshard.core.planner import TemplatedPlan
+    kind = "make_fp8_plan" if name == "fp8_tp8" else "templated" if isinstance(plan, TemplatedPlan) else "classic"
+    out = {"name": name, "planner": kind, "layout_s": round(layout_s, 2),
+           "plan_s": round(plan_s, 3), "plan_cpu_s": round(plan_cpu, 3), "rss_added_mib": round(mem / 2**20)}
+    if name != "fp8_tp8":
+        s = plan.stats
+        busiest = max(sorted(int(r) for r in s["sent_bytes"]),
+                      key=lambda r: s["sent_bytes"][str(r)] + s["recv_bytes"][str(r)])
+        t0 = time.perf_counter()
+        part = plan_part(plan, busiest)
+        part_s = time.perf_counter() - t0
+        out.update({"part_s": round(part_s, 3), "part_rank": busiest, "part_messages": len(part.messages),
+                    "part_copies": sum(len(m.entries) for m in part.messages) + len(part.local_copies),
+                    "rounds": plan.rounds, "messages": s["messages"],
+                    "rounds_lower_bound": -(-max(s["sent_bytes"][str(r)] + s["recv_bytes"][str(r)]
+                                                for r in (int(x) for x in s["sent_bytes"])) // BUDGET),
+                    "templates": s.get("templates"), "instances": s.get("instances"),
+                    "network_eq_lb": s["network_bytes"] == s["lower_bound_bytes"],
+                    "max_stage_mib": round(s["max_stage_bytes"] / 2**20, 1)})
+        if check:
+            t0 = time.perf_counter()
+            out["part_problems"] = len(validate_plan(part, busiest))
+            out["check_s"] = round(time.perf_counter() - t0, 3)
+    if want_hash:
+        t0 = time.perf_counter()
+        out["hash"] = plan.hash[:16]
+        out["hash_s"] = round(time.perf_counter() - t0, 3)
+    after = loop_s()
+    ref, ref_cpu = min(before[0], after[0]), min(before[1], after[1])
+    out["loop_s"] = [round(before[0], 3), round(after[0], 3)]
+    out["loop_cpu_s"] = round(ref_cpu, 3)
+    for k in ("plan_s", "part_s", "hash_s", "check_s"):
+        if k in out:
+            out[k.replace("_s", "_x_loop")] = round(out[k] / ref, 2)
+    out["plan_cpu_x_loop_cpu"] = round(plan_cpu / ref_cpu, 2)
+    return out
+
+
+if __name__ == "__main__":
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")]:
+        print(json.dumps(run(name, "--classic" in flags, "--hash" in flags, "--check" in flags, "--always" in flags)),
+              flush=True)

@@ -39,17 +39,26 @@ from .plan import (ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, Pla
 from .rounds import _pack_rounds
 from .senders import _rebalance, choose_senders
 from .stats import _stats, plan_part, plan_stats
+from .templates import TemplatedPlan, make_templated
 from .validate import validate_plan
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
-              ignore_unused: bool = False) -> Plan:
+              ignore_unused: bool = False, templates: bool | str = True) -> Plan:
     """Plan the transfer of every destination piece from the source layout.
 
     ``budget_bytes`` is the hard per-rank staging limit per round: the bytes a rank stages to send
     plus the bytes it stages to receive in one round never exceed it (the executor allocates one
     staging buffer per rank of at most this size); larger copies are split.  Raises :class:`PlanError` before anything is planned to move
     when the layouts disagree (names, shapes, dtypes) or a destination region has no source.
+
+    ``templates``: where layers repeat one geometry (``layers.<n>.`` names), plan each distinct
+    geometry once and return a :class:`~.templates.TemplatedPlan` (same interface, copies made on
+    first use, one rank's part without the others') -- unless its rounds exceed
+    ``ROUND_SLACK`` x the fewest possible (the busiest rank's bytes / budget), as happens where
+    the layers of different pipeline stages cannot share a template (colocated placements): then
+    the copy-by-copy plan, whose rounds are near that bound.  ``"always"``: the templated plan
+    whatever its rounds; False: always the copy-by-copy plan.
     """
     if budget_bytes < 1024:
         raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
@@ -58,10 +67,27 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     paused = gc.isenabled()
     gc.disable()
     try:
+        if templates:
+            tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
+            plan = make_templated(src, dst, tensors, budget_bytes, allow_cast, _make_plan)
+            if plan is not None and (templates == "always"
+                                     or plan.rounds <= ROUND_SLACK * _fewest_rounds(plan) + 1):
+                plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
+                return plan
         return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused)
     finally:
         if paused:
             gc.enable()
+
+
+ROUND_SLACK = 1.3
+
+
+def _fewest_rounds(plan: Plan) -> int:
+    """The fewest rounds any plan of these copies could have: the busiest rank's payload / budget."""
+    s = plan.stats
+    most = max((s["sent_bytes"][r] + s["recv_bytes"][r] for r in s["sent_bytes"]), default=0)
+    return -(-most // plan.budget_bytes)
 
 
 def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ignore_unused: bool) -> Plan:
@@ -109,5 +135,5 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "make_plan",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "TemplatedPlan", "make_plan",
            "plan_part", "plan_stats", "validate_plan"]

@@ -16,19 +16,31 @@ ToLocal = Callable[[Piece, tuple, tuple], tuple]
 
 def local_mapper() -> ToLocal:
     """``to_local(piece, offs, sizes)``: the (offsets, sizes) in ``piece``'s buffer of a sub-box of its global box."""
-    local_maps: dict[int, tuple | None] = {}     # id(piece) -> local minus global offsets (None: reshaped)
+    # id(piece) -> local minus global offsets (a tuple), or for a reshaped piece (size-1 dims differ,
+    # see Piece.local_of) a list [local offsets, [(global dim, local dim, local minus global offset)],
+    # local ndim]
+    local_maps: dict[int, tuple | list] = {}
 
     def to_local(p: Piece, offs: tuple, sizes: tuple) -> tuple[tuple, tuple]:
         key = id(p)
-        if key in local_maps:
-            delta = local_maps[key]
-        else:
-            delta = local_maps[key] = (tuple(l - g for l, g in zip(p.local.offsets, p.box.offsets))
-                                       if p.box.sizes == p.local.sizes else None)
-        if delta is not None:
+        delta = local_maps.get(key)
+        if delta is None:
+            pb, pl = p.box, p.local
+            if pb.sizes == pl.sizes:
+                delta = tuple(l - g for l, g in zip(pl.offsets, pb.offsets))
+            else:
+                gdims = [d for d, s in enumerate(pb.sizes) if s != 1]
+                ldims = [d for d, s in enumerate(pl.sizes) if s != 1]
+                delta = [pl.offsets, [(g, l, pl.offsets[l] - pb.offsets[g]) for g, l in zip(gdims, ldims)], pl.ndim]
+            local_maps[key] = delta
+        if delta.__class__ is tuple:
             return tuple(map(add, offs, delta)), sizes
-        b = p.local_of(unchecked_box(offs, sizes))
-        return b.offsets, b.sizes
+        base, pairs, nd = delta
+        lo, ls = list(base), [1] * nd
+        for g, l, dd in pairs:
+            lo[l] = offs[g] + dd
+            ls[l] = sizes[g]
+        return tuple(lo), tuple(ls)
     return to_local
 
 

@@ -1,6 +1,7 @@
 """Plan data: :class:`Copy`, :class:`Message`, :class:`Plan` (JSON and the sha256 hash), constants."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -13,8 +14,38 @@ ALIGN = 16  # byte alignment of every entry in a staging buffer
 PLAN_VERSION = 1
 
 
+#: plan JSON ``version`` -> reader, for representations other than this module's (registered by
+#: :mod:`.templates` when the planner package is imported)
+PLAN_FORMATS: dict = {}
+
+
 class PlanError(ValueError):
     """The two layouts cannot be reconciled; the message names tensor, ranks, shapes and region."""
+
+
+class paused_gc:
+    """Context (and decorator) pausing the cyclic garbage collector: building or walking a plan
+    allocates millions of small acyclic objects, and each collection would rescan the (large)
+    layouts and plan for nothing.  Nests; the collector's state is restored on exit."""
+
+    def __enter__(self):
+        self.was = gc.isenabled()
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.was:
+            gc.enable()
+        return False
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def run(*a, **kw):
+            with paused_gc():
+                return fn(*a, **kw)
+        return run
 
 
 def _align(n: int) -> int:
@@ -110,6 +141,9 @@ class Plan:
 
     @staticmethod
     def from_json(o: Mapping) -> "Plan":
+        other = PLAN_FORMATS.get(o.get("version"))
+        if other is not None:          # another plan representation (a templated plan)
+            return other(o)
         if o.get("version") != PLAN_VERSION:
             raise PlanError(f"plan version {o.get('version')} is not {PLAN_VERSION}")
         return Plan(
@@ -124,8 +158,13 @@ class Plan:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @property
+    @paused_gc()
     def hash(self) -> str:
-        """sha256 of the canonical JSON, stats excluded (they hold timings)."""
+        """sha256 of the canonical JSON, stats excluded (they hold timings); a part of a templated plan
+        (:func:`plan_part`) has the whole plan's hash, a templated plan that of its compact form."""
+        whole = self.__dict__.get("_whole")
+        if whole is not None:
+            return whole.hash
         obj = self.to_json()
         obj.pop("stats")
         return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

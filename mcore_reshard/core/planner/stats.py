@@ -4,9 +4,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..layout import itemsize
-from .plan import Plan
+from .plan import Plan, paused_gc
 
 
+@paused_gc()
 def plan_part(plan: Plan, rank: int) -> Plan:
     """One rank's own part of ``plan``: the messages it sends or receives, its local copies and its
     padding, with the plan's tensors, buffers (all ranks: peers' buffer metadata is what
@@ -18,7 +19,14 @@ def plan_part(plan: Plan, rank: int) -> Plan:
     region is chosen by a greedy over *all* regions (a rank's load depends on every other
     choice), and a message's round by a first-fit over *all* copies (a round's room on a rank
     depends on its other peers), so a rank-local computation would give a different plan.
-    ``validate_plan(plan_part(p, r), r)`` checks the same things as ``validate_plan(p, r)``."""
+    ``validate_plan(plan_part(p, r), r)`` checks the same things as ``validate_plan(p, r)``.
+
+    A templated plan (:mod:`.templates`) makes the part from its templates alone, without any
+    other rank's copies; that part's buffers are those of ``rank`` and its peers, and its hash is
+    the whole plan's (what the handshake compares)."""
+    own = getattr(plan, "part", None)      # a templated plan makes its part from the templates
+    if own is not None:
+        return own(rank)
     messages = [m for m in plan.messages if m.src == rank or m.dst == rank]
     local = [c for c in plan.local_copies if c.dst == rank or c.src == rank]
     padding = [x for x in plan.padding if x[0] == rank]

@@ -6,8 +6,9 @@ from collections import defaultdict
 from ..box import Box
 from ..layout import itemsize
 from .index import _uncovered
-from .plan import ALIGN, Copy, Plan
+from .plan import ALIGN, Copy, Plan, paused_gc
 
+@paused_gc()
 def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[str]:
     """Self-consistency of a plan (one received over the wire, loaded from JSON or built by hand),
     pure Python: the problems found, each naming tensor, ranks, buffer and region ([] when sound).
@@ -19,6 +20,10 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
     destination buffer of ``rank``, that the copies and zero padding write every element exactly
     once (two pieces claiming the same region, or a region nobody writes, are reported).
     """
+    from .templates import TemplatedPlan
+    if isinstance(plan, TemplatedPlan) and rank is not None:
+        from .stats import plan_part
+        plan = plan_part(plan, rank)        # the rank's copies only, from the templates
     problems: list[str] = []
 
     def bad(text: str) -> bool:

@@ -32,10 +32,10 @@ moves more than this; NeMo RL's broadcast path sends every tensor to every infer
 """
 from .baselines import checkpoint_units, gather_broadcast, lower_bound
 from .cli import add_bench_parser, cmd_bench, main
-from .configs import CONFIGS, FULL_SIZE_DEFAULT, PUBLISHED, FullSizeConfig, small_config
+from .configs import CONFIGS, FULL_SIZE_DEFAULT, PUBLISHED, FullSizeConfig, kimi_k2_1t, small_config
 from .fullsize import run_full_size, run_full_size_config, traffic_matrix
 from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
 
 __all__ = ["CONFIGS", "FULL_SIZE_DEFAULT", "FullSizeConfig", "PUBLISHED", "add_bench_parser", "checkpoint_units",
-           "cmd_bench", "gather_broadcast", "lower_bound", "main", "markdown_full_size", "markdown_live",
+           "cmd_bench", "gather_broadcast", "kimi_k2_1t", "lower_bound", "main", "markdown_full_size", "markdown_live",
            "plot_full_size", "plot_live", "run_full_size", "run_full_size_config", "small_config", "traffic_matrix"]

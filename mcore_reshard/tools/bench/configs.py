@@ -87,6 +87,24 @@ def _train1024(cfg):
     return src, replicate(engine, 4, 256)
 
 
+def kimi_k2_1t():
+    """A Kimi-K2-like model: DeepSeek-V3's architecture at 1 T parameters (384 experts of 2048, 61
+    layers, the first dense, 64 heads, vocabulary 163840; ``moonshotai/Kimi-K2-Instruct``'s config.json)."""
+    from ...targets import dsv3_671b
+    return dsv3_671b().with_(n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64,
+                             first_k_dense_replace=1, vocab_size=163840, num_nextn_predict_layers=0)
+
+
+def _kimi_k2_2048(cfg):
+    """2048 ranks, colocated: Megatron tp=2 pp=16 ep=64 (edp=2) -> 16 vLLM replicas tp=8 dp=16 EP
+    (ep=128, 3 experts per rank).  Ignores ``cfg``: the model is :func:`kimi_k2_1t`."""
+    from ...targets import vllm_layout
+    cfg = kimi_k2_1t()
+    src = _megatron(cfg, tp=2, pp=16, ep=64, etp=1, dp=64, first_stage_layers=3, last_stage_layers=2)
+    engine = vllm_layout(cfg, tp=8, dp=16, enable_expert_parallel=True)
+    return src, replicate(engine, 16, 128)
+
+
 def _small(cfg_name: str):
     """Scaled-down DeepSeek-V3 (the smoke test): same code paths, seconds."""
     def build(cfg):
@@ -129,6 +147,11 @@ CONFIGS = {c.name: c for c in [
                    "Megatron tp=2 pp=16 ep=64 etp=1 dp=32 (edp=1), stages 3/4x14/2 layers, ranks 0-1023",
                    "4 x vLLM tp=8 dp=32 enable_expert_parallel (ep=256), replica k on ranks 256k..256k+255",
                    True, "dgx_h100", _train1024),
+    FullSizeConfig("kimi_k2", "Kimi-K2-like 1 T model (384 experts, 61 layers) on 2048 ranks, colocated: "
+                   "training -> 16 vLLM replicas", "Megatron tp=2 pp=16 ep=64 etp=1 dp=64 (edp=2), stages 3/4x14/2 "
+                   "layers, ranks 0-2047", "16 x vLLM tp=8 dp=16 enable_expert_parallel (ep=128, 3 experts/rank), "
+                   "replica k on ranks 128k..128k+127", True, "dgx_h100", _kimi_k2_2048,
+                   note="model: bench.kimi_k2_1t() (DeepSeek-V3 architecture, Kimi-K2's sizes); planned metadata-only"),
     FullSizeConfig("small", "Smoke: DeepSeek-V3 shapes scaled down, 16 -> 16 ranks",
                    "Megatron tp=1 pp=4 ep=4 etp=1 dp=4, ranks 0-15", "vLLM tp=4 dp=4 EP, ranks 16-31",
                    False, "dgx_h100", _small("small")),

@@ -1,0 +1,129 @@
+"""Templated plans (layers of one geometry planned once): the planner's guarantees re-proved on
+random layered layout pairs -- exact values and coverage, bytes = an independent lower bound,
+staging <= budget, determinism, JSON round trip -- and each rank's part, made from the templates
+alone, equal to the whole plan's messages of that rank and valid on its own."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mcore_reshard.core.layout import Buffer, Layout, Piece
+from mcore_reshard.core.planner import (ROUND_SLACK, Plan, TemplatedPlan, _fewest_rounds, make_plan, plan_part,
+                                        plan_stats, validate_plan)
+
+from test_planner_properties import cases, check_plan
+
+
+def _layered(cases_: list, layers: list[tuple[int, int, int]]) -> tuple[Layout, Layout]:
+    """Layer ``i`` of ``layers`` = (case index, source rank shift, destination rank shift): that case's
+    tensors and buffers renamed ``model.layers.<i>.<name>`` on shifted ranks; case index -1: case 0
+    renamed ``rest.<name>`` (no layer number)."""
+    src, dst = Layout(), Layout()
+    for i, (ci, s_shift, d_shift) in enumerate(layers):
+        prefix = f"model.layers.{i}." if ci >= 0 else "rest."
+        csrc, cdst = cases_[max(ci, 0)][:2]
+        for out, lay, shift in ((src, csrc, s_shift), (dst, cdst, d_shift)):
+            for n, m in lay.tensors.items():
+                out.add_tensor(prefix + n, m.shape, m.dtype)
+            for r, bufs in lay.buffers.items():
+                for b in bufs.values():
+                    out.add_buffer(r + shift, Buffer(prefix + b.name, b.shape, b.dtype, tuple(
+                        Piece(prefix + p.tensor, p.box, p.local) for p in b.pieces)))
+    return src, dst
+
+
+@st.composite
+def layered_cases(draw):
+    kinds = draw(st.lists(cases(), min_size=1, max_size=2))
+    budget = kinds[0][2]
+    n = draw(st.integers(2, 4))
+    span = 1 + max(max(c[0].ranks + c[1].ranks) for c in kinds)
+    layers = [(0, 0, 0), (0, 0, 0)]     # two layers of one geometry on the same ranks: one template at least
+    for i in range(2, n + 1):
+        ci = draw(st.integers(0, len(kinds) - 1))
+        # "pp": each layer's source on ranks of its own, as pipeline stages; else all on the same ranks
+        pp = draw(st.booleans())
+        layers.append((ci, span * i if pp else 0, 0))
+    if draw(st.booleans()):
+        layers.append((-1, 0, 0))       # an unnumbered tensor group ("rest": embedding, head)
+    src, dst = _layered(kinds, layers)
+    return src, dst, budget
+
+
+def _same_messages(a, b) -> bool:
+    return [(m.round, m.src, m.dst, m.nbytes, m.entries) for m in a] == [(m.round, m.src, m.dst, m.nbytes, m.entries) for m in b]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(layered_cases())
+def test_templated_plans_are_exact_minimal_and_agree_rank_by_rank(case):
+    src, dst, budget = case
+    plan = make_plan(src, dst, budget_bytes=budget, templates="always")
+    assert isinstance(plan, TemplatedPlan)
+    # by default the templated plan only where its rounds are near the fewest possible
+    default = make_plan(src, dst, budget_bytes=budget)
+    assert isinstance(default, TemplatedPlan) == (plan.rounds <= ROUND_SLACK * _fewest_rounds(plan) + 1)
+    assert plan.stats["instances"] > plan.stats["templates"]
+    check_plan(src, dst, plan)          # values, every element once, bytes = brute lower bound, budget
+    classic = make_plan(src, dst, budget_bytes=budget, templates=False)
+    for k in ("network_bytes", "lower_bound_bytes", "local_bytes", "padding_bytes", "sent_bytes", "recv_bytes"):
+        if k not in ("sent_bytes", "recv_bytes"):
+            assert plan.stats[k] == classic.stats[k], k
+    # the stats counted from the templates are those of the plan's own messages
+    again = plan_stats(plan, plan.stats["lower_bound_bytes"])
+    for k, v in again.items():
+        assert plan.stats[k] == v, k
+    assert validate_plan(plan) == []
+    for r in plan.ranks:
+        part = plan_part(plan, r)
+        assert _same_messages(part.messages, [m for m in plan.messages if r in (m.src, m.dst)])
+        assert part.local_copies == [c for c in plan.local_copies if c.dst == r]
+        assert part.padding == [x for x in plan.padding if x[0] == r]
+        assert validate_plan(part, r) == []
+        assert part.hash == plan.hash   # what the handshake compares
+    # deterministic: the same plan from JSON round-tripped layouts and from the plan's own JSON
+    src2 = Layout.from_json(json.loads(json.dumps(src.to_json())))
+    dst2 = Layout.from_json(json.loads(json.dumps(dst.to_json())))
+    assert make_plan(src2, dst2, budget_bytes=budget, templates="always").hash == plan.hash
+    loaded = Plan.from_json(json.loads(plan.dumps()))
+    assert isinstance(loaded, TemplatedPlan) and loaded.hash == plan.hash
+    assert _same_messages(loaded.messages, plan.messages)
+
+
+def test_layers_of_one_geometry_share_one_template_and_rounds_interleave():
+    """Four layers of tp=2 -> tp=1 (disaggregated), two pipeline stages: one template, four
+    instances; the stages' rounds share global rounds (their source ranks differ)."""
+    from mcore_reshard.core.mesh import Mesh
+    src, dst = Layout(), Layout()
+    for i in range(4):
+        name = f"model.layers.{i}.w"
+        src.add_sharded(name, (64, 16), "float32", Mesh.of({"tp": 2}, 2 * (i // 2)), [("tp", 0)])
+        dst.add_sharded(name, (64, 16), "float32", Mesh.of({"tp": 1}, 4))
+    plan = make_plan(src, dst, budget_bytes=4096)
+    assert isinstance(plan, TemplatedPlan)
+    assert (plan.stats["templates"], plan.stats["instances"]) == (1, 4)
+    # a layer: 2 copies of 32x16 fp32 = 2048 B each into rank 4 (4096 B of staging per round):
+    # one layer per round on rank 4, so 4 rounds, the lower bound
+    assert plan.rounds == 4 and plan.stats["max_stage_bytes"] == 4096
+    assert plan.stats["network_bytes"] == 4 * 64 * 16 * 4
+    assert sorted((m.src, m.dst) for m in plan.messages) == [(0, 4), (0, 4), (1, 4), (1, 4), (2, 4), (2, 4),
+                                                             (3, 4), (3, 4)]
+    check_plan(src, dst, plan)
+
+
+def test_a_buffer_mixing_layers_is_planned_copy_by_copy():
+    src, dst = Layout(), Layout()
+    for lay, r in ((src, 0), (dst, 1)):
+        for i in range(2):
+            lay.add_tensor(f"layers.{i}.w", (4, 4), "float32")
+    from mcore_reshard.core.box import Box
+    both = Buffer("fused", (8, 4), "float32", (Piece("layers.0.w", Box.full((4, 4)), Box((0, 0), (4, 4))),
+                                               Piece("layers.1.w", Box.full((4, 4)), Box((4, 0), (4, 4)))))
+    src.add_buffer(0, both)
+    for i in range(2):
+        dst.add_buffer(1, Buffer(f"layers.{i}.w", (4, 4), "float32", (Piece(f"layers.{i}.w", Box.full((4, 4)),
+                                                                              Box.full((4, 4))),)))
+    plan = make_plan(src, dst)
+    assert not isinstance(plan, TemplatedPlan)
+    check_plan(src, dst, plan)
