@@ -153,7 +153,8 @@ def misuse(rank: int, world: int) -> dict:
     """Items 1, 3, 4, 5, 6, 7, 8, 9 (JSON), 11 of issue #13 and more misuse, one launch."""
     src, dst = build_layouts("tp=2", "tp=1,dp=2", True)
     full = {n: reference_tensor(n, m.shape) for n, m in src.tensors.items()}
-    plan = make_plan(src, dst, budget_bytes=4096)
+    # the copy-by-copy plan: the tampering cases below edit its JSON fields (copies, local copies, boxes)
+    plan = make_plan(src, dst, budget_bytes=4096, templates=False)
     res: dict = {}
 
     def refused(case, make, *, refit=True):
