@@ -20,7 +20,8 @@ LAYERS = {
     "refit": 3,
     "export": 4,
     "integrations": 4,
-    "testing": 5, "tools": 5,
+    "testing": 5,
+    "tools": 6,
 }
 # display utilities any layer may use (a progress bar, a memory reading: no library logic)
 UTILITIES = {"tools.progress", "tools.memstat"}
