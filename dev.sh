@@ -7,6 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MCORE_RESHARD_VENV:-.venv}
+# No wheel cache: a cache would hold a second copy of three CUDA torch builds (~10 GB) on a disk that needs
+# ~25 GB for the venvs alone. MCORE_RESHARD_PIP_CACHE=1 keeps pip's cache (faster re-creation).
+[ "${MCORE_RESHARD_PIP_CACHE:-0}" = 1 ] || export PIP_NO_CACHE_DIR=1
+
+need_disk() {  # need_disk GB WHAT: refuse early, with numbers, rather than fail half-installed
+  local free_gb
+  free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$1" ]; then
+    echo "error: $2 needs ~$1 GB free on $(df -P . | awk 'NR==2 {print $6}'), only $free_gb GB are free" >&2
+    echo "       (free some space, or MCORE_RESHARD_ENGINES=0 to skip the engine venvs and their tests)" >&2
+    return 1
+  fi
+}
 
 find_python() {
   for cand in "${PYTHON:-}" python3.12; do
@@ -24,6 +37,7 @@ setup() {
     return 0
   fi
   py=$(find_python)
+  need_disk 7 "$VENV"
   echo "[dev.sh] creating $VENV with $py (torch 2.13.0 + megatron-core 0.19.2: ~2 min, ~5 GB)" >&2
   PYENV_VERSION=3.12.1 "$py" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
@@ -66,13 +80,19 @@ engine_venv() {  # engine_venv NAME PIN
     return 0
   fi
   local py; py=$(find_python)
-  echo "[dev.sh] creating $venv with $pin (once: vllm ~3 min / 9 GB, sglang ~5 min / 11 GB)" >&2
   rm -rf "$venv"
+  need_disk 13 "$venv ($pin)"
+  echo "[dev.sh] creating $venv with $pin (once: vllm ~3 min / 9 GB, sglang ~5 min / 11 GB)" >&2
   PYENV_VERSION=3.12.1 "$py" -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
   "$venv/bin/pip" install -q "$pin" megatron-core==0.19.2 pytest==9.2.0 2>&1 | grep -v '^WARNING: Location' || true
   "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
   "$venv/bin/python" -c "import importlib.metadata as m, mcore_reshard, megatron.core; assert m.version('$name') == '${pin#*==}'"
+  local other others=()
+  for other in "$VENV" .venv-vllm .venv-sglang; do
+    [ "$other" != "$venv" ] && [ -d "$other" ] && others+=("$other")
+  done
+  [ ${#others[@]} -eq 0 ] || "$venv/bin/python" .ci/dedupe-venvs "$venv" "${others[@]}" || true
   echo "$pin" > "$venv/.mcore-reshard-ok"
 }
 engines() {
