@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .core.executor import ReshardError, Resharder, agree, all_gather_json, dtype_name, torch_dtype
+from .core.executor import GatherChecked, ReshardError, Resharder, all_gather_json, all_or_none, dtype_name, torch_dtype
 from .mapper.family import canonicalize, load_family
 from .core.layout import Buffer, Layout
 from .tools.memstat import peak_bytes, reset_peak, rss_bytes
@@ -144,8 +144,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     want_dtype = None if dtype is None else dtype_name(dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype))
-    payload, src_t = {"error": None}, {}
-    try:
+    src_t = {}
+    with GatherChecked(group, "export_hf: reading the model", timeout=timeout) as g:
         if not 0 <= on_rank < world:
             raise ValueError(f"on_rank={on_rank} is not a rank of the group of {world} (pass the rank in the group)")
         if rank == on_rank:
@@ -156,14 +156,9 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             hf_cfg = hf_config_dict(megatron_facts(model_chunks, vocab_size=vocab_size), family)
             if want_dtype is not None:
                 hf_cfg["dtype"] = want_dtype
-        payload.update(src=src_l.to_json(), cfg=model_config(model_chunks), hf=hf_cfg)
-    except Exception as e:  # noqa: BLE001 - every rank must hear about it
-        payload["error"] = f"rank {rank}: {type(e).__name__}: {e}"
-    parts = all_gather_json(payload, group, timeout=timeout)
-    errors = [p["error"] for p in parts if p["error"]]
-    if errors:
-        raise ReshardError("export_hf: reading the model failed: " + " | ".join(errors))
-    try:
+        g.payload.update(src=src_l.to_json(), cfg=model_config(model_chunks), hf=hf_cfg)
+    parts = g.parts
+    with all_or_none(group, timeout=timeout):
         config = dict(_one_config([p["cfg"] for p in parts], "source"))
         if not config:
             raise ReshardError("export_hf: no rank of the group passed model chunks")
@@ -188,9 +183,6 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
                         names.append(bname)
         if rank == on_rank:
             _prepare_dir(out_dir, files)
-    except Exception as e:  # noqa: BLE001 - every rank must hear about it
-        agree(group, "00" * 32, [f"rank {rank}: {type(e).__name__}: {e}"], timeout=timeout)
-        raise  # unreachable: agree raises on every rank
 
     weight_map, total, biggest, net = {}, 0, 0, 0
     measured = rank == on_rank and reset_peak()    # the writer's resident memory while it streams

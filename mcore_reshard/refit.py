@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .core.executor import ReshardError, Resharder, agree, all_gather_json
+from .core.executor import GatherChecked, ReshardError, Resharder, all_or_none
 from .core.executor.common import check_timeout
 from .mapper.family import canonicalize, load_family
 from .fp8.plan import make_fp8_plan
@@ -91,23 +91,18 @@ class MegatronRefit:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1024:
             raise ValueError(f"budget_bytes={budget_bytes!r}: must be an integer number of bytes >= 1024")
         rank = dist.get_rank(group)
-        payload, src_t, dst_t = {"error": None}, {}, {}
-        try:
+        src_t, dst_t = {}, {}
+        with GatherChecked(group, "reading the models", timeout=timeout) as g:
             src_l, src_t = read_layout(src_chunks, rank)
             if target is not None and dst_chunks:
                 raise ValueError("pass either dst_chunks (a Megatron target) or target=(layout, tensors), not both")
             dst_l, dst_t = target if target is not None else read_layout(dst_chunks, rank)
-            payload.update(src=src_l.to_json(), dst=dst_l.to_json(), canonical_dst=target is not None,
-                           src_cfg=model_config(src_chunks), dst_cfg=model_config(dst_chunks))
-        except Exception as e:  # noqa: BLE001 - every rank must hear about it
-            payload["error"] = f"rank {rank}: {type(e).__name__}: {e}"
-        parts = all_gather_json(payload, group, timeout=timeout)
-        errors = [p["error"] for p in parts if p["error"]]
-        if errors:
-            raise ReshardError("reading the models failed: " + " | ".join(errors))
+            g.payload.update(src=src_l.to_json(), dst=dst_l.to_json(), canonical_dst=target is not None,
+                             src_cfg=model_config(src_chunks), dst_cfg=model_config(dst_chunks))
+        parts = g.parts
         # Everything below is deterministic given the gathered parts, but any failure is still
-        # exchanged (agree) so that no rank can be left waiting in the Resharder's handshake.
-        try:
+        # exchanged so that no rank can be left waiting in the Resharder's handshake.
+        with all_or_none(group, timeout=timeout):
             src_cfg = _one_config([p["src_cfg"] for p in parts], "source")
             dst_cfg = _one_config([p["dst_cfg"] for p in parts], "destination")
             canonical_dst = any(p["canonical_dst"] for p in parts)
@@ -133,9 +128,6 @@ class MegatronRefit:
             else:
                 self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes,
                                       allow_cast=allow_cast, ignore_unused=ignore_unused)
-        except Exception as e:  # noqa: BLE001 - every rank must hear about it
-            agree(group, "00" * 32, [f"{type(e).__name__}: {e}"], timeout=timeout)
-            raise  # unreachable: agree raises on every rank
         if quantize is not None:
             self.resharder = Fp8Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
         else:

@@ -48,7 +48,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..core.executor import ReshardError, Resharder, agree, all_gather_json, dtype_name
+from ..core.executor import ReshardError, Resharder, all_gather_json, all_or_none, dtype_name
 from ..core.layout import Layout, LayoutError
 from ..core.planner import DEFAULT_BUDGET, make_plan
 
@@ -376,14 +376,11 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
         problems.append("plan options differ between ranks: " + "; ".join(f"{k} on ranks {v}" for k, v in sorted(opts.items())))
     if problems:
         raise ReshardError("refit refused before any transfer: " + " | ".join(problems))
-    try:
+    with all_or_none(group, timeout=timeout):    # deterministic, but still exchanged so nobody waits
         src_layout = _side(parts, "src")
         dst_layout = _side(parts, "dst")
         plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
                          ignore_unused=ignore_unused)
-    except Exception as e:  # noqa: BLE001 - deterministic, but still exchanged so nobody waits
-        agree(group, "00" * 32, [f"{type(e).__name__}: {e}"], timeout=timeout)
-        raise  # unreachable: agree raises on every rank
     return Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
 
 

@@ -49,8 +49,8 @@ from .binding import staging_size
 from .checksum import digest_of
 from .common import dtype_name, torch_dtype
 from .errors import ReshardError, TransferError
-from .handshake import agree, all_gather_json
+from .handshake import GatherChecked, agree, all_gather_json, all_or_none
 from .resharder import Resharder
 
-__all__ = ["Resharder", "ReshardError", "TransferError", "agree", "all_gather_json", "digest_of", "dtype_name",
+__all__ = ["GatherChecked", "Resharder", "ReshardError", "TransferError", "agree", "all_gather_json", "all_or_none", "digest_of", "dtype_name",
            "staging_size", "torch_dtype"]

@@ -1,5 +1,6 @@
 """Collective control messages (tensors, never pickle): :func:`agree` (handshake / retry), the
-refit confirmation's exchange (:func:`exchange`) and :func:`all_gather_json` (metadata)."""
+refit confirmation's exchange (:func:`exchange`), :func:`all_gather_json` (metadata) and the two
+guards that make a failure on one rank an error on all (:class:`GatherChecked`, :func:`all_or_none`)."""
 from __future__ import annotations
 
 import contextlib
@@ -188,6 +189,51 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
 
 
 _F_EXPLICIT, _F_DIRTY = 1, 2
+
+
+class GatherChecked:
+    """Collective context manager: run this rank's part of a metadata exchange, then all-gather it;
+    an exception in the block on *any* rank makes *every* rank raise one :class:`ReshardError`
+    naming each failing rank (nobody is left waiting in a later collective)::
+
+        with GatherChecked(group, "reading the models", timeout=t) as g:
+            g.payload["src"] = read(...)          # rank 1 raises ValueError("no chunks")
+        g.parts   # every rank's payload, in rank order -- or, on every rank:
+        # ReshardError: reading the models failed: rank 1: ValueError: no chunks
+
+    ``g.payload`` starts as ``{"error": None}``; whatever the block puts there must be JSON-able."""
+
+    def __init__(self, group, what: str, *, timeout: float | None = None):
+        self.group, self.what, self.timeout = group, what, timeout
+        self.payload: dict = {"error": None}
+        self.parts: list[dict] = []
+
+    def __enter__(self) -> "GatherChecked":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False      # KeyboardInterrupt & co. propagate as they are
+        if exc is not None:
+            self.payload = {"error": f"rank {dist.get_rank(self.group)}: {type(exc).__name__}: {exc}"}
+        self.parts = all_gather_json(self.payload, self.group, timeout=self.timeout)
+        errors = [p["error"] for p in self.parts if p.get("error")]
+        if errors:
+            raise ReshardError(f"{self.what} failed: " + " | ".join(errors)) from exc
+        return True
+
+
+@contextlib.contextmanager
+def all_or_none(group, *, timeout: float | None = None):
+    """Collective guard around work every rank does alike after an exchange (merging, planning):
+    an exception on this rank is first exchanged (:func:`agree` with no digest), so that *every*
+    rank raises the same :class:`ReshardError` -- the others in their next :func:`agree` (the
+    :class:`Resharder` handshake) -- instead of waiting for this one."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every rank must hear about it
+        agree(group, "00" * 32, [f"rank {dist.get_rank(group)}: {type(e).__name__}: {e}"], timeout=timeout)
+        raise  # unreachable: agree raises on every rank
 
 
 def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, explicit: bool, options: str,
