@@ -50,12 +50,6 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
 
 
 def _stats(plan: Plan, lower_bound: int | None, totals: tuple) -> dict:
-    sent, recv, stage_send, stage_recv = totals
-    stage: dict[tuple[int, int], int] = defaultdict(int)
-    for key, v in stage_send.items():
-        stage[key] += v
-    for key, v in stage_recv.items():
-        stage[key] += v
     pad = 0
     for r, b, box in plan.padding:
         pad += box.numel * itemsize(plan.buffers["dst"][r][b][1])
