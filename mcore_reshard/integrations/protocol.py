@@ -79,6 +79,8 @@ def join_group(init_method: str, world_size: int, rank: int, *, backend: str | N
     ``init_custom_process_group`` does), so that ``dist.get_rank(group)`` and every collective /
     point-to-point call with ``group=`` work.  ``init_method``: ``tcp://host:port`` (group rank 0
     hosts the store) or ``file:///shared/path``.  ``backend``: ``nccl`` with CUDA, else ``gloo``.
+    Every member must be of the same kind (all with a default group, or none): a mix is refused on
+    every member as soon as all have arrived (``RuntimeError`` naming the ranks of each kind and the fix).
     """
     from torch.distributed import distributed_c10d as c10d
 
