@@ -15,19 +15,9 @@ import torch
 
 import mcore_cpu
 from mcore_reshard.testing import tiny_models
+from hf_refit_worker import HAND_MAP as RENAMES, _split_qkv   # Megatron -> HF name pieces, written by hand
 from megatron_refit_worker import _build, _digest, perturb_replicated, reference_full
 
-RENAMES = [  # Megatron name piece -> HF checkpoint name piece, by hand
-    ("embedding.word_embeddings.weight", "model.embed_tokens.weight"), ("decoder.final_layernorm", "model.norm"),
-    ("output_layer.weight", "lm_head.weight"), ("decoder.layers.", "model.layers."),
-    ("self_attention.linear_q_down_proj", "self_attn.q_a_proj"), ("self_attention.q_layernorm", "self_attn.q_a_layernorm"),
-    ("self_attention.linear_q_up_proj", "self_attn.q_b_proj"),
-    ("self_attention.linear_kv_down_proj", "self_attn.kv_a_proj_with_mqa"),
-    ("self_attention.kv_layernorm", "self_attn.kv_a_layernorm"), ("self_attention.linear_kv_up_proj", "self_attn.kv_b_proj"),
-    ("self_attention.linear_proj", "self_attn.o_proj"), ("pre_mlp_layernorm", "post_attention_layernorm"),
-    ("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"), ("mlp.router.weight", "mlp.gate.weight"),
-    ("mlp.linear_fc2", "mlp.down_proj"), ("mlp.shared_experts.linear_fc2", "mlp.shared_experts.down_proj"),
-]
 GQA_RENAMES = [("self_attention.q_layernorm", "self_attn.q_norm"), ("self_attention.k_layernorm", "self_attn.k_norm")]
 
 
@@ -61,7 +51,6 @@ def checkpoint_expected(full: dict, cfg, kind: str) -> dict:
             base = name[:-len("linear_fc1.weight")]
             out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = _digest(gate), _digest(up)
         elif name.endswith("self_attention.linear_qkv.weight"):
-            from hf_refit_worker import _split_qkv
             q, k, v = _split_qkv(t, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels)
             base = name[:-len("self_attention.linear_qkv.weight")] + "self_attn."
             out.update({base + "q_proj.weight": _digest(q), base + "k_proj.weight": _digest(k),
