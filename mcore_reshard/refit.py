@@ -86,7 +86,7 @@ class MegatronRefit:
     def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
-                 timeout: float | None = None, verify: bool = False, quantize=None):
+                 timeout: float | None = None, verify: bool = False, quantize=None, topology=None):
         timeout = check_timeout(timeout)     # bad numbers: refused here, before anything is exchanged
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1024:
             raise ValueError(f"budget_bytes={budget_bytes!r}: must be an integer number of bytes >= 1024")
@@ -124,6 +124,8 @@ class MegatronRefit:
             dst = _merge([p["dst"] for p in parts])
             self.src_layout = canonicalize(src, self.family, config)
             self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
+            if quantize is not None and topology is not None:
+                raise ReshardError("topology= (two-level plans) is not supported with quantize= (FP8 plans)")
             if quantize is not None:
                 if not canonical_dst:
                     raise ReshardError("quantize= needs target=(fp8_layout, tensors) (an FP8 engine layout)")
@@ -132,7 +134,7 @@ class MegatronRefit:
                                           ignore_unused=ignore_unused)
             else:
                 self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes,
-                                      allow_cast=allow_cast, ignore_unused=ignore_unused)
+                                      allow_cast=allow_cast, ignore_unused=ignore_unused, topology=topology)
         except Exception as e:  # noqa: BLE001 - every rank must hear about it
             agree(group, "00" * 32, [f"{type(e).__name__}: {e}"], timeout=timeout)
             raise  # unreachable: agree raises on every rank
