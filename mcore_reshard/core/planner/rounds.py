@@ -128,7 +128,7 @@ def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int
             key = (d, c[9], c[3], c[4], c[5])
             if key in want:
                 landed[key] = k
-    forwards.sort(key=itemgetter(0, 1, 2, 3, 4, 5, 6))
+    forwards.sort()                     # the sequence number (unique) decides before any Box is compared
     rounds = 0
     for f in forwards:
         n = (-f[0] + ALIGN - 1) // ALIGN * ALIGN

@@ -88,26 +88,49 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
     buffer, carrier's local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box,
     (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy),
     split to fit the budget exactly as the carrier's copy is."""
-    dom = topo.domain
+    dmap: dict[int, int] = {}          # rank -> domain, looked up once per rank
+    topo_domain = topo.domain
+
+    def dom(r: int) -> int:
+        d = dmap.get(r)
+        if d is None:
+            d = dmap[r] = topo_domain(r)
+        return d
+
     out: list[tuple] = []
     inside: dict[tuple, list] = {}         # (id(holders), domain) -> holders in that domain
     groups: dict[tuple, list] = {}         # (id(holders), domain) -> NIC regions
     forwardable = {n: t["src_dtype"] == t["dst_dtype"] for n, t in tensors.items()}
+    append = out.append
     for x in remote:
-        d = dom(x[4])
+        r = x[4]
+        d = dmap.get(r)
+        if d is None:
+            d = dom(r)
         hk = (id(x[7]), d)
         hin = inside.get(hk)
         if hin is None:
             hin = inside[hk] = [h for h in x[7] if dom(h[0]) == d]
         if hin:
-            out.append(x if len(hin) == len(x[7]) else x[:7] + (hin,) + x[8:])
+            append(x if len(hin) == len(x[7]) else x[:7] + (hin,) + x[8:])
         else:
-            groups.setdefault(hk, []).append(x)
+            g = groups.get(hk)
+            if g is None:
+                groups[hk] = [x]
+            else:
+                g.append(x)
     seq = [len(remote)]
     load: dict[int, int] = defaultdict(int)    # NIC bytes each rank receives so far
     units: list[list[tuple]] = []              # sets of regions of one box, several receivers each
     bound = 0
     for group in groups.values():
+        if len(group) == 1:             # one receiver of this source box in the domain: nothing to share
+            x = group[0]
+            bound -= x[0]
+            append(x)
+            if forwardable[x[1]]:
+                load[x[4]] -= x[0]
+            continue
         by_box: dict[tuple, list] = {}
         for x in group:
             by_box.setdefault((x[2], x[3]), []).append(x)
