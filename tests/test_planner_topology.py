@@ -222,3 +222,8 @@ def test_flat_plans_unchanged_without_topology(name):
     assert make_plan(src, dst, topology=None, **kw).hash == plan.hash
     assert not any(m.forward for m in plan.messages) and "forward" not in plan.dumps()
     assert plan.hash == FLAT_DIGESTS[name]
+    # with a topology: always the copy-by-copy plan (no templates), and a one-domain topology
+    # changes nothing but the sender preference (no forwarding: every holder is in the domain)
+    two = make_plan(src, dst, topology=64, **kw)
+    assert type(two) is Plan and not any(m.forward for m in two.messages) and two.stats["nic_bytes"] == 0
+    check_two_level(src, dst, Topology(domain_size=64), two)
