@@ -8,7 +8,8 @@ flat (``topology=None``) and two-level (``topology=`` the configuration's cost-m
 domain receives each needed element once), forwarded bytes, rounds, messages, the cost model's
 predicted time and link bound (``costmodel.predict``) and plan time; for the flat plan also what
 ``costmodel.hierarchical`` predicted forwarding would give.  One configuration per process (a
-full-size plan takes GBs): run them one at a time.
+full-size plan takes GBs): run them one at a time.  ``python benchmarks/two_level.py --table
+benchmarks/results/two_level_*.json`` prints the BENCHMARKS.md A.2 table.
 """
 from __future__ import annotations
 
@@ -66,7 +67,27 @@ def run(name: str, budget: int) -> dict:
     return out
 
 
+def table(paths: list[str]) -> str:
+    """The BENCHMARKS.md A.2 table of saved results."""
+    gb = 1e9
+    rows = ["| config (topology) | NIC GB flat | NIC GB two-level | hierarchical bound GB | NVLink GB (forwarded) | "
+            "rounds flat → two-level | predicted s flat → two-level | link bound s (two-level) | predicted / link bound | "
+            "plan s flat / two-level |", "|---" * 10 + "|"]
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        f, t = r["flat"], r["two_level"]
+        rows.append(f"| {r['name']} ({r['topology']}, {r['gpus_per_domain']}/domain) | {f['nic_bytes'] / gb:,.1f} | "
+                    f"**{t['nic_bytes'] / gb:,.1f}** | {t['hierarchical_bound_bytes'] / gb:,.1f} | "
+                    f"{t['nvlink_bytes'] / gb:,.1f} ({t['forwarded_bytes'] / gb:,.1f}) | {f['rounds']} → {t['rounds']} | "
+                    f"{f['predicted_s']:.3f} → **{t['predicted_s']:.3f}** | {t['link_bound_s']:.3f} | "
+                    f"{t['predicted_over_link_bound']:.2f}x | {f['plan_s']:.1f} / {t['plan_s']:.1f} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--table"]:
+        print(table(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config")
     ap.add_argument("--budget-mib", type=float, default=256.0)

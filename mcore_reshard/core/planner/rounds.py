@@ -131,16 +131,21 @@ def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int
     forwards.sort()                     # the sequence number (unique) decides before any Box is compared
     rounds = 0
     for f in forwards:
-        n = (-f[0] + ALIGN - 1) // ALIGN * ALIGN
+        lim = budget - (-f[0] + ALIGN - 1) // ALIGN * ALIGN
         s, d = f[1], f[2]
         us, ud = used.setdefault(s, []), used.setdefault(d, [])
         k = landed[f[14]] + 1
-        while (us[k] if k < len(us) else 0) + n > budget or (ud[k] if k < len(ud) else 0) + n > budget:
+        end = max(len(us), len(ud), k) + 1      # both padded with empty rounds: the scan stops inside
+        if len(us) < end:
+            us.extend([0] * (end - len(us)))
+        if len(ud) < end:
+            ud.extend([0] * (end - len(ud)))
+        while us[k] > lim or ud[k] > lim:
             k += 1
-        for u in (us, ud):
-            if len(u) <= k:
-                u.extend([0] * (k + 1 - len(u)))
-            u[k] += n
+        n = budget - lim
+        us[k] += n
+        ud[k] += n
         placed.setdefault((k, s, d, 1), []).append(f)
-        rounds = max(rounds, k + 1)
+        if k >= rounds:
+            rounds = k + 1
     return rounds
