@@ -76,6 +76,8 @@ def test_forwarder_failure_is_reported_by_every_rank(mode):
     assert run["event"] == ("died" if mode == "die" else "stalled")
     out = run["outcomes"]
     assert out[3]["ok"] and out[3]["result"]["forwards_to_me"], out[3]    # rank 3 waits for rank 2's forward
+    print(f"forwarder {mode}: survivors raised after", {r: round(o["result"]["raised_at"] - run["event_at"], 2)
+                                                      for r, o in out.items() if o["ok"] and r != victim})
     for rank, o in out.items():
         if rank == victim and mode == "die":
             assert not o["ok"] and o["exitcode"] == 17, o
