@@ -81,7 +81,11 @@ def config_diff(src_cfg: dict, dst_cfg: dict) -> str | None:
 
 
 class MegatronRefit:
-    """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks."""
+    """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks.
+
+    ``topology`` (a :class:`~mcore_reshard.core.planner.Topology`, a domain size, a rank -> domain
+    list or a cost-model preset): a two-level plan (what several receivers of one NVLink domain need
+    crosses the network once and is forwarded inside the domain); not with ``quantize``."""
 
     def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
