@@ -1,6 +1,7 @@
 """Self-consistency check of a plan (:func:`validate_plan`), pure Python."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 
 from ..box import Box
@@ -126,8 +127,19 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
         for (a0, a1, ta), (b0, b1, tb) in zip(spans, spans[1:]):
             if b0 < a1:
                 bad(f"{where}: entries {ta} and {tb} overlap in the staging buffer (bytes {b0}..{a1})")
+    windows: dict[tuple[int, str], tuple] = {}
     for c, k, where in forwarded:
-        _check_forwarded(c, k, landed.get((c.src, c.src_buffer), ()), where, bad)
+        key = (c.src, c.src_buffer)
+        win = windows.get(key)
+        if win is None:     # what landed in the buffer, by first local offset (a bisect window)
+            got = sorted(landed.get(key, ()), key=lambda x: x[0].offsets[:1])
+            win = windows[key] = (got, [x[0].offsets[0] if x[0].ndim else 0 for x in got],
+                                  max((x[0].sizes[0] if x[0].ndim else 1 for x in got), default=1))
+        got, starts, widest = win
+        if c.src_local.ndim:
+            lo = c.src_local.offsets[0]
+            got = got[bisect_left(starts, lo - widest + 1):bisect_left(starts, lo + c.src_local.sizes[0])]
+        _check_forwarded(c, k, got, where, bad)
     for r, b, box in plan.padding:
         if rank is not None and r != rank:
             continue
