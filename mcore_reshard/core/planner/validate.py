@@ -127,19 +127,7 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
         for (a0, a1, ta), (b0, b1, tb) in zip(spans, spans[1:]):
             if b0 < a1:
                 bad(f"{where}: entries {ta} and {tb} overlap in the staging buffer (bytes {b0}..{a1})")
-    windows: dict[tuple[int, str], tuple] = {}
-    for c, k, where in forwarded:
-        key = (c.src, c.src_buffer)
-        win = windows.get(key)
-        if win is None:     # what landed in the buffer, by first local offset (a bisect window)
-            got = sorted(landed.get(key, ()), key=lambda x: x[0].offsets[:1])
-            win = windows[key] = (got, [x[0].offsets[0] if x[0].ndim else 0 for x in got],
-                                  max((x[0].sizes[0] if x[0].ndim else 1 for x in got), default=1))
-        got, starts, widest = win
-        if c.src_local.ndim:
-            lo = c.src_local.offsets[0]
-            got = got[bisect_left(starts, lo - widest + 1):bisect_left(starts, lo + c.src_local.sizes[0])]
-        _check_forwarded(c, k, got, where, bad)
+    _check_forwards(forwarded, landed, bad)
     for r, b, box in plan.padding:
         if rank is not None and r != rank:
             continue
@@ -176,6 +164,24 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                 bad(f"destination rank {r} buffer {name} of shape {list(shape)}: the plan writes {written} of its "
                     f"{total} elements" + (f"; nothing writes {hole}" if hole is not None else ""))
     return problems
+
+
+def _check_forwards(forwarded: list, landed: dict, bad) -> None:
+    """:func:`_check_forwarded` for every forwarded copy, against what landed in a bisect window of
+    its sender's buffer (by first local offset)."""
+    windows: dict[tuple[int, str], tuple] = {}
+    for c, k, where in forwarded:
+        key = (c.src, c.src_buffer)
+        win = windows.get(key)
+        if win is None:
+            got = sorted(landed.get(key, ()), key=lambda x: x[0].offsets[:1])
+            win = windows[key] = (got, [x[0].offsets[0] if x[0].ndim else 0 for x in got],
+                                  max((x[0].sizes[0] if x[0].ndim else 1 for x in got), default=1))
+        got, starts, widest = win
+        if c.src_local.ndim:
+            lo = c.src_local.offsets[0]
+            got = got[bisect_left(starts, lo - widest + 1):bisect_left(starts, lo + c.src_local.sizes[0])]
+        _check_forwarded(c, k, got, where, bad)
 
 
 def _check_forwarded(c: Copy, k: int, landed, where: str, bad) -> None:
