@@ -81,12 +81,16 @@ def config_diff(src_cfg: dict, dst_cfg: dict) -> str | None:
 
 
 class MegatronRefit:
-    """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks."""
+    """Plan once, refit many times: Megatron-Core model chunks -> Megatron-Core model chunks.
+
+    ``topology`` (a :class:`~mcore_reshard.core.planner.Topology`, a domain size, a rank -> domain
+    list or a cost-model preset): a two-level plan (what several receivers of one NVLink domain need
+    crosses the network once and is forwarded inside the domain); not with ``quantize``."""
 
     def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
-                 timeout: float | None = None, verify: bool = False, quantize=None):
+                 timeout: float | None = None, verify: bool = False, quantize=None, topology=None):
         timeout = check_timeout(timeout)     # bad numbers: refused here, before anything is exchanged
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1024:
             raise ValueError(f"budget_bytes={budget_bytes!r}: must be an integer number of bytes >= 1024")
@@ -119,6 +123,8 @@ class MegatronRefit:
             dst = _merge([p["dst"] for p in parts])
             self.src_layout = canonicalize(src, self.family, config)
             self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
+            if quantize is not None and topology is not None:
+                raise ReshardError("topology= (two-level plans) is not supported with quantize= (FP8 plans)")
             if quantize is not None:
                 if not canonical_dst:
                     raise ReshardError("quantize= needs target=(fp8_layout, tensors) (an FP8 engine layout)")
@@ -127,7 +133,7 @@ class MegatronRefit:
                                           ignore_unused=ignore_unused)
             else:
                 self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes,
-                                      allow_cast=allow_cast, ignore_unused=ignore_unused)
+                                      allow_cast=allow_cast, ignore_unused=ignore_unused, topology=topology)
         if quantize is not None:
             self.resharder = Fp8Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
         else:

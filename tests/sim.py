@@ -16,9 +16,12 @@ from mcore_reshard.core.layout import Layout, itemsize
 def apply_plan(plan, S: dict, D: dict) -> np.ndarray | None:
     for c in plan.local_copies:
         D[c.dst][c.dst_buffer][c.dst_local.slices()] = S[c.src][c.src_buffer][c.src_local.slices()].reshape(c.dst_local.sizes)
-    for m in plan.messages:
+    # round by round: a forwarded message (two-level plans) reads the sender's destination buffer,
+    # written in an earlier round
+    for m in sorted(plan.messages, key=lambda m: m.round):
+        have = D if getattr(m, "forward", False) else S
         for c in m.entries:
-            D[c.dst][c.dst_buffer][c.dst_local.slices()] = S[c.src][c.src_buffer][c.src_local.slices()].reshape(c.dst_local.sizes)
+            D[c.dst][c.dst_buffer][c.dst_local.slices()] = have[c.src][c.src_buffer][c.src_local.slices()].reshape(c.dst_local.sizes)
     for r, b, box in plan.padding:
         D[r][b][box.slices()] = 0
 

@@ -98,8 +98,12 @@ def _plan(args):
         src, dst = _layouts(args, steps)
         steps.step(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks")
         t0 = time.perf_counter()
+        topology = None
+        if getattr(args, "two_level", False):
+            from .costmodel import preset
+            topology = preset(args.hardware)       # its NVLink domain size
         plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
-                         allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True)
+                         allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True, topology=topology)
         seconds = time.perf_counter() - t0
         steps.step("summary")
     return src, dst, plan, seconds
@@ -154,6 +158,10 @@ def cmd_plan(args) -> int:
     if s.get("unused_tensors"):
         print(f"not in target      {len(s['unused_tensors'])} source tensors (e.g. {s['unused_tensors'][0]})")
     from .costmodel import predict, preset
+    if "hierarchical_bound_bytes" in s:
+        print(f"two-level          NIC {s['nic_bytes']:,} B (hierarchical bound {s['hierarchical_bound_bytes']:,}), "
+              f"NVLink {s['nvlink_bytes']:,} B, forwarded {s['forwarded_bytes']:,} B (domains of "
+              f"{preset(args.hardware).gpus_per_domain})")
     pred = predict(plan, preset(args.hardware))
     print(f"predicted refit    {pred['seconds']:.3f} s on {args.hardware} (link-bound limit {pred['link_bound_s']:.3f} s)")
     print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s")
@@ -270,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                            "scales (e.g. 128, DeepSeek-V3's format); prints assembly, FP8 and BF16 bytes")
             p.add_argument("--hardware", default="dgx_h100", choices=["dgx_h100", "gb200_nvl72", "gb200_nvl72_800g"],
                            help="hardware preset for the predicted refit time (default: dgx_h100)")
+            p.add_argument("--two-level", action="store_true", help="plan in two levels (NVLink domain / NIC) for the "
+                           "--hardware preset's NVLink domain size: what several receivers of a domain need crosses the "
+                           "network once and is forwarded inside the domain")
         p.set_defaults(func=func)
     from .bench import add_bench_parser
     add_bench_parser(sub)

@@ -142,7 +142,10 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
         for m in sends:
             n = m.nbytes + trailer * len(m.entries)
             buf = buffer[base:base + n]
-            pairs = [(staging_view(plan, buf, c), src[c.src_buffer][c.src_local.slices()]) for c in m.entries]
+            # a forwarded message (two-level plans) reads this rank's destination buffers, written
+            # in an earlier round (validate_plan checks it; rounds run in order)
+            have = dst if m.forward else src
+            pairs = [(staging_view(plan, buf, c), have[c.src_buffer][c.src_local.slices()]) for c in m.entries]
             rnd.sends.append((m.dst, buf, pairs, m, parts(m, buf, pairs, verify)))
             base += n
         for m in recvs:             # right after this round's sends, in the same buffer

@@ -127,9 +127,11 @@ def check_layouts(plan: Plan, rank: int, src_layout, dst_layout) -> list[str]:
             if b is None or list(b.shape) != list(shape) or b.dtype != dtype:
                 errors.append(f"rank {rank}: {side} buffer {name} {list(shape)} {dtype} of the plan is "
                               + ("not in the layout" if b is None else f"{list(b.shape)} {b.dtype} in the layout"))
-    copies = [c for c in plan.local_copies if c.dst == rank] + [c for m in plan.messages if rank in (m.src, m.dst) for c in m.entries]
-    for c in copies:
-        for side, lay, r, bname, local in (("src", src_layout, c.src, c.src_buffer, c.src_local),
+    copies = [(c, False) for c in plan.local_copies if c.dst == rank] + [
+        (c, m.forward) for m in plan.messages if rank in (m.src, m.dst) for c in m.entries]
+    for c, fwd in copies:       # a forwarded copy's source is in the sender's destination layout
+        for side, lay, r, bname, local in (("dst" if fwd else "src", dst_layout if fwd else src_layout, c.src,
+                                            c.src_buffer, c.src_local),
                                            ("dst", dst_layout, c.dst, c.dst_buffer, c.dst_local)):
             if r != rank:
                 continue

@@ -40,11 +40,12 @@ from .rounds import _pack_rounds
 from .senders import _rebalance, choose_senders
 from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
+from .topology import Topology, link_stats, plan_forwarding
 from .validate import validate_plan
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
-              ignore_unused: bool = False, templates: bool | str = True) -> Plan:
+              ignore_unused: bool = False, templates: bool | str = True, topology=None) -> Plan:
     """Plan the transfer of every destination piece from the source layout.
 
     ``budget_bytes`` is the hard per-rank staging limit per round: the bytes a rank stages to send
@@ -59,22 +60,28 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     the layers of different pipeline stages cannot share a template (colocated placements): then
     the copy-by-copy plan, whose rounds are near that bound.  ``"always"``: the templated plan
     whatever its rounds; False: always the copy-by-copy plan.
+
+    ``topology`` (:class:`~.topology.Topology`, a domain size, a rank -> domain list, or a
+    :class:`mcore_reshard.tools.costmodel.Topology`): plan in two levels (NVLink domain / NIC, see
+    :mod:`.topology`); always the copy-by-copy plan (a forwarded copy's round depends on its
+    carrier's, across layers: templates do not apply).  ``None``: one level, today's plans.
     """
     if budget_bytes < 1024:
         raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
+    topo = Topology.of(topology)
     # planning allocates millions of small acyclic objects: the cyclic garbage collector would
     # rescan the (large) layouts many times over for nothing, so it is paused while planning
     paused = gc.isenabled()
     gc.disable()
     try:
-        if templates:
+        if templates and topo is None:
             tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
             plan = make_templated(src, dst, tensors, budget_bytes, allow_cast, _make_plan)
             if plan is not None and (templates == "always"
                                      or plan.rounds <= ROUND_SLACK * _fewest_rounds(plan) + 1):
                 plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
                 return plan
-        return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused)
+        return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused, topo)
     finally:
         if paused:
             gc.enable()
@@ -90,21 +97,32 @@ def _fewest_rounds(plan: Plan) -> int:
     return -(-most // plan.budget_bytes)
 
 
-def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ignore_unused: bool) -> Plan:
-    """The plan: matching, sender choice, round packing, buffer metadata and padding, stats."""
+def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ignore_unused: bool,
+               topo: Topology | None = None) -> Plan:
+    """The plan: matching, (two-level: forwarding,) sender choice, round packing, buffer metadata
+    and padding, stats."""
     tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
     index = _source_index(src)
     to_local = local_mapper()
     local, remote, lower_bound = match(src, dst, tensors, index, to_local)
+    forwards = nic_bound = None
+    if topo is not None:
+        for r in sorted(set(src.buffers) | set(dst.buffers)):
+            topo.domain(r)              # every rank must have a domain (raises naming the rank)
+        remote, forwards, nic_bound = plan_forwarding(remote, topo, tensors, budget_bytes, to_local)
     copies = choose_senders(remote, budget_bytes, to_local)
     del remote                          # freed before packing allocates the messages
-    messages, rounds, totals = _pack_rounds(copies, budget_bytes)
+    messages, rounds, totals = _pack_rounds(copies, budget_bytes, forwards)
     padding: list[tuple[int, str, Box]] = []
     buffers = _buffer_meta(src, dst, padding)
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
     plan = Plan(tensors, buffers, messages, local, padding, budget_bytes, rounds)
     plan.stats = _stats(plan, lower_bound, totals)
     plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
+    if topo is not None:
+        plan.stats["topology"] = topo.to_json()
+        plan.stats["hierarchical_bound_bytes"] = nic_bound
+        plan.stats.update(link_stats(messages, topo))
     return plan
 
 
@@ -135,5 +153,6 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "TemplatedPlan", "make_plan",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "TemplatedPlan", "Topology",
+           "make_plan",
            "plan_part", "plan_stats", "validate_plan"]

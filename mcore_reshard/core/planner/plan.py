@@ -98,19 +98,30 @@ def _box_json(o) -> Box:
 
 @dataclass(frozen=True)
 class Message:
+    """The copies ``src`` sends ``dst`` in one round.  ``forward``: a two-level plan's forwarded
+    message (:mod:`.topology`): its entries' ``src_buffer`` / ``src_local`` name the sender's
+    *destination* buffer, written in an earlier round; in the JSON (and so the hash) only when set."""
     round: int
     src: int
     dst: int
     nbytes: int                 # staging bytes (entries aligned to 16 bytes)
     entries: tuple[Copy, ...]
+    forward: bool = False
 
     def to_json(self) -> dict:
-        return {"round": self.round, "src": self.src, "dst": self.dst, "nbytes": self.nbytes,
-                "entries": [c.to_json() for c in self.entries]}
+        o = {"round": self.round, "src": self.src, "dst": self.dst, "nbytes": self.nbytes,
+             "entries": [c.to_json() for c in self.entries]}
+        if self.forward:
+            o["forward"] = True
+        return o
 
     @staticmethod
     def from_json(o) -> "Message":
-        return Message(o["round"], o["src"], o["dst"], o["nbytes"], tuple(Copy.from_json(c) for c in o["entries"]))
+        fwd = o.get("forward", False)
+        if fwd is not False and fwd is not True:
+            raise PlanError(f"message round {o.get('round')} {o.get('src')}->{o.get('dst')}: forward={fwd!r} "
+                            "must be true or false")
+        return Message(o["round"], o["src"], o["dst"], o["nbytes"], tuple(Copy.from_json(c) for c in o["entries"]), fwd)
 
 
 @dataclass

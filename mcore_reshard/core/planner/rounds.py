@@ -6,7 +6,7 @@ from operator import itemgetter
 
 from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
 
-def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, tuple]:
+def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -17,7 +17,11 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
     ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes,
     sequence number (unique: ties keep the order given, as a stable sort would), src buffer, src
     local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box).  Also returns
-    the per-rank totals of :func:`plan_stats` (bytes sent, received, staged per round)."""
+    the per-rank totals of :func:`plan_stats` (bytes sent, received, staged per round).
+
+    ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
+    copy, each first-fit from the round after the one its carrier's own copy landed in; they
+    make messages of their own (``Message.forward``)."""
     # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
     # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
     # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
@@ -80,6 +84,8 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
                 rounds = k + 1
             placed[(k, s, d)].extend(srt[j:j + cnt])
             j += cnt
+    if forwards:
+        rounds = max(rounds, _place_forwards(forwards, budget, used, placed))
     messages = []
     entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
     # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
@@ -87,8 +93,8 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
-    for key in sorted(placed):
-        k, s, d = key
+    for key in sorted(placed):         # (round, src, dst), then (round, src, dst, 1): forwarded
+        k, s, d = key[:3]
         group = placed[key]
         if len(group) > 1:
             group.sort(key=entry_key)
@@ -100,7 +106,9 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
             off += (nb + ALIGN - 1) // ALIGN * ALIGN
             payload += nb
         m = _new(Message)               # as Message(...) without the frozen dataclass __init__
-        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)})
+        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)}
+                 if len(key) == 3 else {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries),
+                                        "forward": True})
         messages.append(m)
         sent[s] += payload
         recv[d] += payload
@@ -108,3 +116,36 @@ def _pack_rounds(copies: list[tuple], budget: int) -> tuple[list[Message], int, 
         stage_recv[(k, d)] += off
     return messages, rounds, (sent, recv, stage_send, stage_recv)
 
+
+
+def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int]], placed: dict) -> int:
+    """First-fit (largest first) of forwarded copies into rounds after their carrier's copy; returns
+    the rounds used.  ``used``: per rank, staged bytes per round so far (updated)."""
+    want = {f[14] for f in forwards}
+    landed: dict[tuple, int] = {}       # carrier copy key -> round it lands in
+    for (k, s, d), group in placed.items():
+        for c in group:
+            key = (d, c[9], c[3], c[4], c[5])
+            if key in want:
+                landed[key] = k
+    forwards.sort()                     # the sequence number (unique) decides before any Box is compared
+    rounds = 0
+    for f in forwards:
+        lim = budget - (-f[0] + ALIGN - 1) // ALIGN * ALIGN
+        s, d = f[1], f[2]
+        us, ud = used.setdefault(s, []), used.setdefault(d, [])
+        k = landed[f[14]] + 1
+        end = max(len(us), len(ud), k) + 1      # both padded with empty rounds: the scan stops inside
+        if len(us) < end:
+            us.extend([0] * (end - len(us)))
+        if len(ud) < end:
+            ud.extend([0] * (end - len(ud)))
+        while us[k] > lim or ud[k] > lim:
+            k += 1
+        n = budget - lim
+        us[k] += n
+        ud[k] += n
+        placed.setdefault((k, s, d, 1), []).append(f)
+        if k >= rounds:
+            rounds = k + 1
+    return rounds

@@ -1,6 +1,7 @@
 """Self-consistency check of a plan (:func:`validate_plan`), pure Python."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 
 from ..box import Box
@@ -33,6 +34,11 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
         return plan.buffers.get(side, {}).get(r, {}).get(name)
 
     writes: dict[tuple[int, str], list[tuple[Box, str]]] = defaultdict(list)
+    # (rank, dst buffer) -> (dst local box, copy, stage: -1 local, else round): what a forwarded
+    # copy reads must have landed in an earlier stage
+    landed: dict[tuple[int, str], list[tuple[Box, Copy, int]]] = defaultdict(list)
+    forwarded: list[tuple[Copy, int, str]] = []
+    stage = -1
 
     def ints(*xs) -> bool:
         return all(type(x) is int for x in xs)
@@ -40,7 +46,7 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
     if not ints(plan.budget_bytes, plan.rounds) or plan.budget_bytes < 1024 or plan.rounds < 0:
         bad(f"plan budget_bytes={plan.budget_bytes!r} / rounds={plan.rounds!r}: must be integers (budget >= 1024)")
 
-    def check_copy(c: Copy, where: str) -> None:
+    def check_copy(c: Copy, where: str, fwd: bool = False) -> None:
         meta = plan.tensors.get(c.tensor)
         if meta is None:
             bad(f"{where}: tensor {c.tensor} is not in the plan's tensors")
@@ -51,7 +57,11 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             return
         if c.box.ndim != len(meta["shape"]) or not Box.full(meta["shape"]).contains(c.box):
             bad(f"{where}: box {c.box} is outside tensor {c.tensor} of shape {list(meta['shape'])}")
-        for side, r, bname, local in (("src", c.src, c.src_buffer, c.src_local), ("dst", c.dst, c.dst_buffer, c.dst_local)):
+        if fwd and meta["src_dtype"] != meta["dst_dtype"]:
+            bad(f"{where}: forwarded copy of {c.tensor}{c.box}: the tensor is cast ({meta['src_dtype']} -> "
+                f"{meta['dst_dtype']}): rank {c.src}'s destination does not hold the bytes on the wire")
+        for side, r, bname, local in (("dst" if fwd else "src", c.src, c.src_buffer, c.src_local),
+                                      ("dst", c.dst, c.dst_buffer, c.dst_local)):
             bm = buffer_meta(side, r, bname)
             if bm is None:
                 bad(f"{where}: {side} rank {r} has no buffer {bname} in the plan")
@@ -73,6 +83,7 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             bad(f"{where}: copy of {c.tensor}{c.box} claims {c.nbytes} B, {c.box.numel} x {meta['src_dtype']} is {want} B")
         if rank is None or c.dst == rank:
             writes[(c.dst, c.dst_buffer)].append((c.dst_local, f"{c.tensor}{c.box} from rank {c.src}"))
+            landed[(c.dst, c.dst_buffer)].append((c.dst_local, c, stage))
 
     for c in plan.local_copies:
         if rank is not None and c.dst != rank and c.src != rank:
@@ -85,7 +96,12 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
     for m in plan.messages:
         if rank is not None and rank not in (m.src, m.dst):
             continue
-        where = f"round {m.round} message {m.src}->{m.dst}"
+        fwd = getattr(m, "forward", False)
+        where = f"round {m.round} {'forwarded ' if fwd else ''}message {m.src}->{m.dst}"
+        stage = m.round
+        if fwd is not False and fwd is not True:
+            bad(f"{where}: forward={fwd!r} must be True or False")
+            continue
         if not ints(m.round, m.src, m.dst, m.nbytes):
             bad(f"{where}: round, ranks and byte count must be integers")
             continue
@@ -93,9 +109,9 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             bad(f"{where}: round {m.round} is outside the plan's {plan.rounds} round(s)")
         if m.src == m.dst:
             bad(f"{where}: a message from a rank to itself")
-        if (m.round, m.src, m.dst) in seen:
+        if (m.round, m.src, m.dst, fwd) in seen:
             bad(f"{where}: two messages for the same round and rank pair")
-        seen.add((m.round, m.src, m.dst))
+        seen.add((m.round, m.src, m.dst, fwd))
         spans = []
         for c in m.entries:
             if (c.src, c.dst) != (m.src, m.dst):
@@ -104,11 +120,14 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                 bad(f"{where}: entry {c.tensor}{c.box} at byte {c.offset} (+{c.nbytes}) is misaligned or outside "
                     f"the {m.nbytes} B message")
             spans.append((c.offset, c.offset + c.nbytes, c.tensor))
-            check_copy(c, where)
+            check_copy(c, where, fwd)
+            if fwd and (rank is None or c.src == rank):
+                forwarded.append((c, m.round, where))
         spans.sort()
         for (a0, a1, ta), (b0, b1, tb) in zip(spans, spans[1:]):
             if b0 < a1:
                 bad(f"{where}: entries {ta} and {tb} overlap in the staging buffer (bytes {b0}..{a1})")
+    _check_forwards(forwarded, landed, bad)
     for r, b, box in plan.padding:
         if rank is not None and r != rank:
             continue
@@ -145,3 +164,47 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                 bad(f"destination rank {r} buffer {name} of shape {list(shape)}: the plan writes {written} of its "
                     f"{total} elements" + (f"; nothing writes {hole}" if hole is not None else ""))
     return problems
+
+
+def _check_forwards(forwarded: list, landed: dict, bad) -> None:
+    """:func:`_check_forwarded` for every forwarded copy, against what landed in a bisect window of
+    its sender's buffer (by first local offset)."""
+    windows: dict[tuple[int, str], tuple] = {}
+    for c, k, where in forwarded:
+        key = (c.src, c.src_buffer)
+        win = windows.get(key)
+        if win is None:
+            got = sorted(landed.get(key, ()), key=lambda x: x[0].offsets[:1])
+            win = windows[key] = (got, [x[0].offsets[0] if x[0].ndim else 0 for x in got],
+                                  max((x[0].sizes[0] if x[0].ndim else 1 for x in got), default=1))
+        got, starts, widest = win
+        if c.src_local.ndim:
+            lo = c.src_local.offsets[0]
+            got = got[bisect_left(starts, lo - widest + 1):bisect_left(starts, lo + c.src_local.sizes[0])]
+        _check_forwarded(c, k, got, where, bad)
+
+
+def _check_forwarded(c: Copy, k: int, landed, where: str, bad) -> None:
+    """A forwarded copy (round ``k``) reads ``c.src_local`` of rank ``c.src``'s destination buffer:
+    copies of the same tensor region, landed there in a stage before ``k``, must fill exactly it."""
+    want = c.src_local
+    delta = tuple(a - b for a, b in zip(want.offsets, c.box.offsets)) if want.ndim == c.box.ndim else None
+    covered = 0
+    for box, w, stage in landed:
+        inter = box.intersect(want)
+        if inter is None:
+            continue
+        if stage >= k:
+            bad(f"{where}: forwarded copy of {c.tensor}{c.box} reads rank {c.src} buffer {c.src_buffer}{want}, "
+                f"which {w.tensor}{w.box} from rank {w.src} writes only in round {stage} (forwarding round {k} "
+                "must come after)")
+            return
+        wdelta = tuple(a - b for a, b in zip(box.offsets, w.box.offsets)) if box.ndim == w.box.ndim else None
+        if w.tensor != c.tensor or wdelta != delta:
+            bad(f"{where}: forwarded copy of {c.tensor}{c.box} reads rank {c.src} buffer {c.src_buffer}{want}, "
+                f"which holds {w.tensor}{w.box} there, not those elements")
+            return
+        covered += inter.numel
+    if covered != want.numel:
+        bad(f"{where}: forwarded copy of {c.tensor}{c.box} reads rank {c.src} buffer {c.src_buffer}{want}: only "
+            f"{covered} of its {want.numel} elements land there before round {k}")

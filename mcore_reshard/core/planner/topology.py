@@ -1,0 +1,217 @@
+"""Two-level plans: NVLink domains, and forwarding inside a domain what crosses the network once.
+
+A :class:`Topology` says which NVLink domain each rank lies in (a domain size, or an explicit
+rank -> domain list).  With one, :func:`~mcore_reshard.core.planner.make_plan` plans in two levels:
+
+* a region that a holder inside the receiver's domain has is sent by such a holder (NVLink);
+* a region no rank of the receiver's domain holds crosses the network (NIC).  Where several
+  receivers of one domain need the same elements of one source box, those elements cross the
+  network once, to the receiver with the least NIC load so far (ties: lowest rank), the *carrier*,
+  which forwards them to the others over NVLink in a later round: a *forwarded* message
+  (``Message.forward``) reads from the carrier's destination tensor, written in an earlier round.
+
+So the NIC bytes equal the hierarchical lower bound: per domain, the union of the elements its
+receivers need from outside the domain, counted once (:attr:`Plan.stats` ``hierarchical_bound_bytes``).
+Where receivers' regions overlap partly, the shared parts are split into disjoint atoms, each
+carried once.  Not forwarded (sent directly, over the NIC; the bound is then missed by those bytes):
+tensors cast on the receiver (``src_dtype != dst_dtype``: the carrier holds other bytes than the
+wire format) and two destination pieces of one rank needing the same elements (a rank cannot
+message itself).  Pure Python.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from math import prod
+
+from ..box import Box, split_box, unchecked_box
+from .index import _atoms, _disjoint
+from .matching import ToLocal
+from .plan import ALIGN, PlanError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which NVLink domain each rank lies in: ``domain_size`` (rank // domain_size) or an explicit
+    ``domains`` list (``domains[rank]`` = the domain id of ``rank``; every plan rank must be in it)."""
+    domain_size: int | None = None
+    domains: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if (self.domain_size is None) == (self.domains is None):
+            raise PlanError("Topology: give exactly one of domain_size and domains")
+        if self.domain_size is not None and (type(self.domain_size) is not int or self.domain_size < 1):
+            raise PlanError(f"Topology: domain_size={self.domain_size!r} must be a positive integer")
+        if self.domains is not None:
+            object.__setattr__(self, "domains", tuple(self.domains))
+            if any(type(d) is not int for d in self.domains):
+                raise PlanError(f"Topology: domains must be integers, got {list(self.domains)[:8]}")
+
+    def domain(self, rank: int) -> int:
+        if self.domain_size is not None:
+            return rank // self.domain_size
+        if not 0 <= rank < len(self.domains):
+            raise PlanError(f"Topology: rank {rank} is not in the rank -> domain list of {len(self.domains)} rank(s)")
+        return self.domains[rank]
+
+    def to_json(self) -> dict:
+        return {"domain_size": self.domain_size} if self.domain_size is not None else {"domains": list(self.domains)}
+
+    @staticmethod
+    def of(x) -> "Topology | None":
+        """``None``, a Topology, a domain size (int), a rank -> domain list, or anything with
+        ``gpus_per_domain`` (:class:`mcore_reshard.tools.costmodel.Topology`)."""
+        if x is None or isinstance(x, Topology):
+            return x
+        if isinstance(x, bool):
+            raise PlanError(f"topology={x!r}: a Topology, a domain size or a rank -> domain list")
+        if isinstance(x, int):
+            return Topology(domain_size=x)
+        if isinstance(x, (list, tuple)):
+            return Topology(domains=tuple(x))
+        g = getattr(x, "gpus_per_domain", None)
+        if isinstance(g, int):
+            return Topology(domain_size=g)
+        raise PlanError(f"topology={x!r}: a Topology, a domain size or a rank -> domain list")
+
+
+def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: int,
+                    to_local: ToLocal) -> tuple[list[tuple], list[tuple], int]:
+    """(remote regions for :func:`~.senders.choose_senders`, forwarded copies, NIC lower bound in bytes).
+
+    ``remote`` are :func:`~.matching.match`'s regions (-bytes, tensor, offsets, sizes, dst rank,
+    dst buffer, sequence number, holders, dst piece, itemsize, Box, dst local offsets, dst local
+    sizes, dst local Box).  Regions with a holder in the receiver's domain keep only those holders;
+    the rest are grouped per (source box, receiver domain) and each element needed by several
+    receivers is kept for one carrier only; the others get forwarded copies, tuples like the
+    senders' copies (-bytes, carrier, dst, tensor, offsets, sizes, sequence number, carrier's dst
+    buffer, carrier's local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box,
+    (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy),
+    split to fit the budget exactly as the carrier's copy is."""
+    dmap: dict[int, int] = {}          # rank -> domain, looked up once per rank
+    topo_domain = topo.domain
+
+    def dom(r: int) -> int:
+        d = dmap.get(r)
+        if d is None:
+            d = dmap[r] = topo_domain(r)
+        return d
+
+    out: list[tuple] = []
+    inside: dict[tuple, list] = {}         # (id(holders), domain) -> holders in that domain
+    groups: dict[tuple, list] = {}         # (id(holders), domain) -> NIC regions
+    forwardable = {n: t["src_dtype"] == t["dst_dtype"] for n, t in tensors.items()}
+    append = out.append
+    for x in remote:
+        r = x[4]
+        d = dmap.get(r)
+        if d is None:
+            d = dom(r)
+        hk = (id(x[7]), d)
+        hin = inside.get(hk)
+        if hin is None:
+            hin = inside[hk] = [h for h in x[7] if dom(h[0]) == d]
+        if hin:
+            append(x if len(hin) == len(x[7]) else x[:7] + (hin,) + x[8:])
+        else:
+            g = groups.get(hk)
+            if g is None:
+                groups[hk] = [x]
+            else:
+                g.append(x)
+    seq = [len(remote)]
+    load: dict[int, int] = defaultdict(int)    # NIC bytes each rank receives so far
+    units: list[list[tuple]] = []              # sets of regions of one box, several receivers each
+    bound = 0
+    for group in groups.values():
+        if len(group) == 1:             # one receiver of this source box in the domain: nothing to share
+            x = group[0]
+            bound -= x[0]
+            append(x)
+            if forwardable[x[1]]:
+                load[x[4]] -= x[0]
+            continue
+        by_box: dict[tuple, list] = {}
+        for x in group:
+            by_box.setdefault((x[2], x[3]), []).append(x)
+        keys = sorted(by_box)
+        direct = not forwardable[group[0][1]]
+        if len(keys) > 1 and not _disjoint(keys):
+            if direct:      # the bound only: the regions go as they are
+                bound += sum(a.numel for a, _ in _atoms([Box(o, s) for o, s in keys])) * group[0][9]
+                out.extend(group)
+                continue
+            by_box = _atomize(by_box, keys, seq, to_local)
+        for xs in by_box.values():
+            bound += -xs[0][0]
+            if direct:
+                out.extend(xs)
+            elif len(xs) == 1:
+                out.append(xs[0])
+                load[xs[0][4]] += -xs[0][0]
+            else:
+                units.append(xs)
+    forwards: list[tuple] = []
+    units.sort(key=lambda xs: (xs[0][0], xs[0][6]))        # largest first, then destination order
+    for xs in units:
+        carrier = min(xs, key=lambda x: (load[x[4]], x[4], x[5], x[6]))
+        load[carrier[4]] += -carrier[0]
+        out.append(carrier)
+        for x in xs:
+            if x is carrier:
+                continue
+            if x[4] == carrier[4]:            # the same rank twice: no message to itself, sent directly
+                out.append(x)
+                continue
+            forwards.extend(_forward_copies(carrier, x, budget, to_local, seq))
+    return out, forwards, bound
+
+
+def _atomize(by_box: dict, keys: list, seq: list, to_local: ToLocal) -> dict:
+    """Regions of partly overlapping boxes, cut into disjoint atoms: atom box -> the regions (one
+    per receiver piece) restricted to it."""
+    boxes = [Box(o, s) for o, s in keys]
+    out: dict[tuple, list] = {}
+    for atom, idx in _atoms(boxes):
+        ao, asz = atom.offsets, atom.sizes
+        for i in idx:
+            for x in by_box[keys[i]]:
+                isz = x[9]
+                dlo, dls = to_local(x[8], ao, asz)
+                n = seq[0]
+                seq[0] += 1
+                out.setdefault((ao, asz), []).append((-atom.numel * isz, x[1], ao, asz, x[4], x[5], n, x[7], x[8], isz,
+                                                      atom, dlo, dls, unchecked_box(dlo, dls)))
+    return out
+
+
+def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, seq: list) -> list[tuple]:
+    """The forwarded copies of region ``x`` from ``carrier`` (same box), split as the carrier's copy is."""
+    isz = x[9]
+    limit = max(1, (budget - ALIGN) // isz) * isz
+    boxes = [x[10]] if -x[0] <= limit else split_box(x[10], limit // isz)
+    out = []
+    for b in boxes:
+        o, s = b.offsets, b.sizes
+        clo, cls = to_local(carrier[8], o, s)
+        dlo, dls = to_local(x[8], o, s)
+        n = seq[0]
+        seq[0] += 1
+        out.append((-prod(s) * isz, carrier[4], x[4], x[1], o, s, n, carrier[5], unchecked_box(clo, cls), x[5],
+                    dlo, dls, b, unchecked_box(dlo, dls), (carrier[4], carrier[5], x[1], o, s)))
+    return out
+
+
+def link_stats(messages, topo: Topology) -> dict:
+    """NIC / NVLink / forwarded bytes of a plan's messages under ``topo``."""
+    nic = nvl = fwd = 0
+    dom = topo.domain
+    for m in messages:
+        payload = sum(c.nbytes for c in m.entries)
+        if dom(m.src) == dom(m.dst):
+            nvl += payload
+        else:
+            nic += payload
+        if m.forward:
+            fwd += payload
+    return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd}

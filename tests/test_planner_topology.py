@@ -1,0 +1,229 @@
+"""Two-level (NVLink domain / NIC) plans: hypothesis properties over random layouts and domain maps,
+the flat plan unchanged without a topology, and mutated forwarding refused."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mcore_reshard.core.layout import Layout, itemsize
+from mcore_reshard.core.mesh import Mesh
+from mcore_reshard.core.planner import ALIGN, Message, Plan, PlanError, Topology, make_plan, plan_part, validate_plan
+from mcore_reshard.tools.synthetic import materialize
+
+from sim import apply_plan, random_full, write_counts
+from test_planner_properties import side, tensor_specs
+
+
+def hierarchical_bound(src: Layout, dst: Layout, domain) -> int:
+    """Per domain, the elements its receivers need that no rank of the domain holds, counted once
+    (numpy masks, element by element; shares no code with the planner)."""
+    held = {}
+    for r, _, p in src.iter_pieces():
+        key = (domain(r), p.tensor)
+        if key not in held:
+            held[key] = np.zeros(src.tensors[p.tensor].shape, dtype=bool)
+        held[key][p.box.slices()] = True
+    need = {}
+    for r, _, p in dst.iter_pieces():
+        key = (domain(r), p.tensor)
+        if key not in need:
+            need[key] = np.zeros(src.tensors[p.tensor].shape, dtype=bool)
+        need[key][p.box.slices()] = True
+    total = 0
+    for key, mask in need.items():
+        h = held.get(key)
+        n = int((mask & ~h).sum()) if h is not None else int(mask.sum())
+        total += n * itemsize(src.tensors[key[1]].dtype)
+    return total
+
+
+@st.composite
+def topo_cases(draw):
+    specs = draw(tensor_specs())
+    fused = draw(st.none() | st.tuples(st.integers(1, 7), st.integers(1, 7), st.integers(1, 4)))
+    src = draw(side(specs, fused, 0, "s"))
+    placement = draw(st.sampled_from(["colocated", "disaggregated", "overlap"]))
+    offset = {"colocated": 0, "disaggregated": max(src.ranks) + 1, "overlap": (max(src.ranks) + 1) // 2}[placement]
+    dst = draw(side(specs, fused, offset, "d"))
+    if draw(st.booleans()):      # a second, replicated destination copy: several receivers per box
+        extra = draw(side(specs, None, max(dst.ranks) + 1, "d2"))
+        for r, bufs in extra.buffers.items():
+            for b in bufs.values():
+                dst.add_buffer(r, b)
+    world = max(src.ranks + dst.ranks) + 1
+    if draw(st.booleans()):
+        topo = Topology(domain_size=draw(st.integers(1, 4)))
+    else:
+        topo = Topology(domains=tuple(draw(st.lists(st.integers(0, 2), min_size=world, max_size=world))))
+    budget = draw(st.sampled_from([1024, 4096, 1 << 20]))
+    return src, dst, topo, budget
+
+
+def nic_bytes(plan, topo) -> int:
+    return sum(c.nbytes for m in plan.messages if topo.domain(m.src) != topo.domain(m.dst) for c in m.entries)
+
+
+def check_two_level(src: Layout, dst: Layout, topo: Topology, plan: Plan) -> None:
+    full = random_full(src)
+    S = {r: materialize(src, r, full) for r in src.ranks}
+    D = {r: materialize(dst, r, full, fill=float("nan")) for r in dst.ranks}
+    expect = {r: materialize(dst, r, full) for r in dst.ranks}
+    apply_plan(plan, S, D)
+    for r in dst.ranks:
+        for n in expect[r]:
+            assert torch.equal(D[r][n], expect[r][n]), (r, n)
+    for r, bufs in write_counts(plan, dst).items():
+        for n, cnt in bufs.items():
+            assert (cnt == 1).all(), f"rank {r} buffer {n}: elements written {sorted(set(cnt.flatten().tolist()))} times"
+    bound = hierarchical_bound(src, dst, topo.domain)
+    assert nic_bytes(plan, topo) == bound == plan.stats["nic_bytes"] == plan.stats["hierarchical_bound_bytes"]
+    # each receiver still receives exactly what it needs once: total network bytes unchanged
+    assert plan.stats["network_bytes"] == plan.stats["lower_bound_bytes"]
+    stage = defaultdict(int)
+    for m in plan.messages:
+        assert m.src != m.dst
+        assert m.nbytes == sum((c.nbytes + ALIGN - 1) // ALIGN * ALIGN for c in m.entries)
+        stage[(m.round, m.src)] += m.nbytes
+        stage[(m.round, m.dst)] += m.nbytes
+        if m.forward:       # forwarded only inside a domain
+            assert topo.domain(m.src) == topo.domain(m.dst)
+    assert max(list(stage.values()) + [0]) <= plan.budget_bytes
+    assert validate_plan(plan) == []
+    for r in plan.ranks:
+        assert validate_plan(plan_part(plan, r), r) == []
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(topo_cases())
+def test_two_level_plans_are_exact_and_meet_the_hierarchical_bound(case):
+    src, dst, topo, budget = case
+    plan = make_plan(src, dst, budget_bytes=budget, topology=topo)
+    check_two_level(src, dst, topo, plan)
+    flat = make_plan(src, dst, budget_bytes=budget, templates=False)
+    assert plan.stats["nic_bytes"] <= nic_bytes(flat, topo)
+    # deterministic: the same plan from JSON round-tripped layouts, from its own JSON, and each rank's part
+    again = make_plan(Layout.from_json(json.loads(json.dumps(src.to_json()))),
+                      Layout.from_json(json.loads(json.dumps(dst.to_json()))), budget_bytes=budget,
+                      topology=Topology.of(list(topo.domains) if topo.domains else topo.domain_size))
+    assert again.hash == plan.hash
+    back = Plan.from_json(json.loads(plan.dumps()))
+    assert back.hash == plan.hash and [m.forward for m in back.messages] == [m.forward for m in plan.messages]
+    for r in plan.ranks:
+        assert plan_part(again, r).dumps() == plan_part(plan, r).dumps()
+
+
+def _replicated_case():
+    """Source tp=2 on ranks 0-1, destination replicated on ranks 2-5 (two domains of 2: 2-3, 4-5)."""
+    src, dst = Layout(), Layout()
+    src.add_sharded("w", (8, 6), "float32", Mesh.of({"tp": 2}), [("tp", 0)])
+    src.add_sharded("b", (6,), "float32", Mesh.of({"tp": 2}), [])
+    dst.add_sharded("w", (8, 6), "float32", Mesh.of({"dp": 4}, 2), [])
+    dst.add_sharded("b", (6,), "float32", Mesh.of({"dp": 4}, 2), [])
+    return src, dst
+
+
+def test_forwarding_by_hand():
+    src, dst = _replicated_case()
+    topo = Topology(domains=(0, 0, 1, 1, 2, 2))
+    plan = make_plan(src, dst, topology=topo)
+    check_two_level(src, dst, topo, plan)
+    # w (192 B) + b (24 B) cross into each of the two receiving domains once: 432 B, not 864 B
+    assert plan.stats["nic_bytes"] == 2 * (8 * 6 + 6) * 4
+    assert nic_bytes(make_plan(src, dst), topo) == 4 * (8 * 6 + 6) * 4
+    assert plan.stats["forwarded_bytes"] == plan.stats["nvlink_bytes"] == 2 * (8 * 6 + 6) * 4
+    fwd = [m for m in plan.messages if m.forward]
+    assert fwd and all(m.round >= 1 for m in fwd)
+    assert plan.stats["topology"] == {"domains": [0, 0, 1, 1, 2, 2]}
+    # a holder inside the receiver's domain sends over NVLink (colocated: nothing crosses)
+    colo = make_plan(src, dst, topology=Topology(domain_size=8))
+    assert colo.stats["nic_bytes"] == 0 == colo.stats["forwarded_bytes"]
+
+
+def test_forward_before_receive_is_refused():
+    src, dst = _replicated_case()
+    plan = make_plan(src, dst, topology=2, budget_bytes=4096)
+    fwd = next(m for m in plan.messages if m.forward)
+    bad = Plan.from_json(json.loads(plan.dumps()))
+    i = next(i for i, m in enumerate(bad.messages) if m.forward and (m.src, m.dst) == (fwd.src, fwd.dst))
+    m = bad.messages[i]
+    bad.messages[i] = Message(0, m.src, m.dst, m.nbytes, m.entries, True)
+    problems = validate_plan(bad)
+    assert any("forwarded copy of" in p and "writes only in round 0" in p and "must come after" in p for p in problems), problems
+    assert any("forwarded copy" in p for p in validate_plan(plan_part(bad, m.src), m.src))
+    # a forwarded copy reading elements its sender never received
+    c = m.entries[0]
+    wrong = c._replace(src_local=c.src_local.__class__((0,) * c.src_local.ndim, c.src_local.sizes)
+                       if c.src_local.offsets != (0,) * c.src_local.ndim else c.src_local.__class__(
+                           (1,) + (0,) * (c.src_local.ndim - 1), c.src_local.sizes))
+    bad.messages[i] = Message(fwd.round, m.src, m.dst, m.nbytes, (wrong,) + m.entries[1:], True)
+    problems = validate_plan(bad)
+    assert any("forwarded copy of" in p for p in problems), problems
+    # a forward flag that is not a bool is refused at load
+    o = json.loads(plan.dumps())
+    next(x for x in o["messages"] if x.get("forward"))["forward"] = 1
+    with pytest.raises(PlanError, match="forward=1"):
+        Plan.from_json(o)
+
+
+def test_cast_tensors_are_not_forwarded():
+    src, dst = Layout(), Layout()
+    src.add_sharded("w", (8, 4), "float32", Mesh.of({"tp": 2}), [("tp", 0)])
+    dst.add_sharded("w", (8, 4), "bfloat16", Mesh.of({"dp": 2}, 2), [])
+    plan = make_plan(src, dst, topology=2, allow_cast=True)
+    assert not any(m.forward for m in plan.messages)
+    assert plan.stats["nic_bytes"] == 2 * 8 * 4 * 4 and plan.stats["hierarchical_bound_bytes"] == 8 * 4 * 4
+
+
+def test_topology_forms_and_errors():
+    assert Topology.of(None) is None
+    assert Topology.of(4) == Topology(domain_size=4)
+    assert Topology.of([0, 0, 1]) == Topology(domains=(0, 0, 1))
+    from mcore_reshard.tools.costmodel import dgx_h100
+    assert Topology.of(dgx_h100()) == Topology(domain_size=8)
+    with pytest.raises(PlanError, match="exactly one"):
+        Topology()
+    with pytest.raises(PlanError, match="positive"):
+        Topology(domain_size=0)
+    src, dst = _replicated_case()
+    with pytest.raises(PlanError, match="rank 4 is not in the rank -> domain list"):
+        make_plan(src, dst, topology=[0, 0, 1, 1])
+
+
+# digests of flat plans computed with the planner before topology existed (commit efd00c0)
+FLAT_DIGESTS = {
+    "replicated": "89d699c9a1cb615f6378817c7304acbcd22e12f2aca1685205572a8d431ae278",
+    "layers": "328cf3f1a2063f4675009b5d0d639afc37665dd66d1578212efa20461c5d3de1",
+    "layers_split": "b1e50b6ad36d40bebf4a6bbc317920dddd44e009276c1490c1577ac01a40acd1",
+}
+
+
+def _flat_configs():
+    out = {}
+    src, dst = _replicated_case()
+    out["replicated"] = (src, dst, {})
+    s2, d2 = Layout(), Layout()
+    for n in range(3):      # layers: the templated plan
+        s2.add_sharded(f"decoder.layers.{n}.w", (12, 8), "float32", Mesh.of({"tp": 4}), [("tp", 0)])
+        d2.add_sharded(f"decoder.layers.{n}.w", (12, 8), "float32", Mesh.of({"dp": 2, "tp": 2}, 2), [("tp", 1)])
+    out["layers"] = (s2, d2, {})
+    out["layers_split"] = (s2, d2, {"budget_bytes": 1024, "templates": False})
+    return out
+
+
+@pytest.mark.parametrize("name", ["replicated", "layers", "layers_split"])
+def test_flat_plans_unchanged_without_topology(name):
+    src, dst, kw = _flat_configs()[name]
+    plan = make_plan(src, dst, **kw)
+    assert make_plan(src, dst, topology=None, **kw).hash == plan.hash
+    assert not any(m.forward for m in plan.messages) and "forward" not in plan.dumps()
+    assert plan.hash == FLAT_DIGESTS[name]
+    # with a topology: always the copy-by-copy plan (no templates), and a one-domain topology
+    # changes nothing but the sender preference (no forwarding: every holder is in the domain)
+    two = make_plan(src, dst, topology=64, **kw)
+    assert type(two) is Plan and not any(m.forward for m in two.messages) and two.stats["nic_bytes"] == 0
+    check_two_level(src, dst, Topology(domain_size=64), two)

@@ -1,0 +1,99 @@
+"""Two-level plans on real gloo process groups: 4 ranks in two "NVLink domains" of 2 (ranks 0-1,
+2-3).  A real Megatron-Core model refit with forwarding is bit-exact and sends exactly the plan's
+messages and bytes, with fewer NIC bytes than the flat plan; a forwarder that dies or stalls
+before forwarding makes every other rank raise TransferError, no hang."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from mcore_cpu import spawn
+from partial_launch import spawn_partial
+
+import topology_workers
+
+pytestmark = pytest.mark.multiproc
+
+T = 2.0
+
+
+def test_synthetic_two_level_refit_counts_match_the_plan():
+    results = spawn_partial(topology_workers.synthetic_two_level, 4, 4096, timeout=120, pg_timeout=30)
+    for rank, o in results.items():
+        assert o["ok"], o["error"]
+        res = o["result"]
+        for path in ("overlapped", "batched", "verify"):
+            assert res[path]["mismatched"] == [], (rank, path, res[path])
+            assert res[path]["messages"] == res[path]["plan_messages"], (rank, path, res[path])
+        for path in ("overlapped", "batched"):
+            assert res[path]["bytes"] == res[path]["plan_bytes"], (rank, path, res[path])
+        s = res["stats"]
+        # both receivers (ranks 2, 3) need every replicated byte from domain 0: it crosses once (the
+        # uneven odd.weight is split between them: 140 B that each needs alone); every forwarded
+        # byte is a NIC byte saved
+        assert s["nic_bytes"] == s["hierarchical_bound_bytes"] == (res["flat_nic_bytes"] + 140) // 2 > 0
+        assert s["forwarded_bytes"] + s["nic_bytes"] == s["network_bytes"] == res["flat_nic_bytes"]
+    assert len({o["result"]["hash"] for o in results.values()}) == 1
+
+
+@pytest.mark.megatron
+def test_megatron_two_level_refit_is_bit_exact_with_fewer_nic_bytes():
+    from test_megatron_refit import check_case
+    cases = [{"model": "gqa", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 1}, "kw": {}},
+             {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 1, "ep": 2, "etp": 1}, "kw": {"mtp": True},
+              "budget": 1 << 16}]
+    results = spawn(topology_workers.megatron_two_level, 4, cases, timeout=600)
+    for case, spec in enumerate(cases):
+        check_case(results, case, spec)
+        per_rank = [r[case] for r in results]
+        assert len({r["hash"] for r in per_rank}) == 1
+        for r in per_rank:
+            assert r["bytes_sent"] == r["plan_bytes_from_me"], r
+            assert r["second_messages"] == r["plan_messages_from_me"], r
+        r = per_rank[0]
+        assert r["plan_nic_bytes"] == r["nic_bytes"] == r["bound"] < r["flat_nic_bytes"], r
+        assert r["forwarded_bytes"] > 0 and r["network_bytes"] == r["flat_network_bytes"]
+        assert sum(x["forwards_from_me"] for x in per_rank) > 0
+        print(f"{spec['model']}: NIC bytes flat {r['flat_nic_bytes']} two-level {r['nic_bytes']} (bound {r['bound']}), "
+              f"forwarded {r['forwarded_bytes']}, messages {sum(x['plan_messages_from_me'] for x in per_rank)}")
+
+
+def _run(mode: str, victim: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        stamp = os.path.join(tmp, "stamp")
+        out = spawn_partial(topology_workers.forwarder_failure, 4, mode, victim, T, stamp, timeout=90, pg_timeout=30)
+        with open(stamp) as f:
+            what, when = f.read().split()
+    return {"outcomes": out, "event": what, "event_at": float(when)}
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_forwarder_failure_is_reported_by_every_rank(mode):
+    victim = 2
+    run = _run(mode, victim)
+    assert run["event"] == ("died" if mode == "die" else "stalled")
+    out = run["outcomes"]
+    assert out[3]["ok"] and out[3]["result"]["forwards_to_me"], out[3]    # rank 3 waits for rank 2's forward
+    print(f"forwarder {mode}: survivors raised after", {r: round(o["result"]["raised_at"] - run["event_at"], 2)
+                                                      for r, o in out.items() if o["ok"] and r != victim})
+    for rank, o in out.items():
+        if rank == victim and mode == "die":
+            assert not o["ok"] and o["exitcode"] == 17, o
+            continue
+        assert o["ok"], o["error"]
+        res = o["result"]
+        assert res["first_ok"] and res["first_version"] == 1 and res["received_before"]
+        assert res["type"] == "TransferError", res
+        assert res["src_untouched"] and res["state"]["interrupted"] and res["state"]["version"] == 1
+        err = res["error"]
+        assert "refit 2" in err and f"rank {rank}" in err, err
+        if rank != victim:
+            assert res["raised_at"] - run["event_at"] < 2 * T, (rank, err)
+        if res["forwards_to_me"]:
+            # the receiver of the forwarded bytes names the round and the forwarder
+            assert res["round"] and f"plan round {res['forwards_to_me'][0]})" in err, err
+            assert victim in res["peers"] and f"receives from ranks [" in err and str(victim) in err, err
+            assert ("timed out after" in err) if mode == "stall" else ("a peer died" in err or "posting" in err), err
+            assert res["state"]["incomplete"], res["state"]
