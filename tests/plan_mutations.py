@@ -88,7 +88,10 @@ def mutate(pj: dict, rnd) -> tuple[str, dict]:
             return _copy_field(rnd, q, m["entries"][j], f"messages[{i}].entries[{j}]"), q
     if target == "message" and q["messages"]:
         i = rnd.randrange(len(q["messages"]))
-        f = rnd.choice(["round", "src", "dst", "nbytes"])
+        f = rnd.choice(["round", "src", "dst", "nbytes", "forward"])
+        if f == "forward":
+            q["messages"][i]["forward"] = rnd.choice([True, 1, "yes"]) if not q["messages"][i].get("forward") else False
+            return f"messages[{i}].forward", q
         q["messages"][i][f] = _int(rnd, q["messages"][i][f])
         return f"messages[{i}].{f}", q
     if target == "tensor":
@@ -137,9 +140,10 @@ def simulate(plan, S: dict, D: dict) -> None:
         for m in [m for m in plan.messages if m.round == k]:
             stage = torch.zeros(m.nbytes, dtype=torch.uint8)
             views = []
+            have = D if getattr(m, "forward", False) else S     # a forward reads the sender's destination
             for c in m.entries:
                 v = stage[c.offset:c.offset + c.nbytes].view(torch_dtype(plan.tensors[c.tensor]["src_dtype"])).view(c.src_local.sizes)
-                v.copy_(S[c.src][c.src_buffer][c.src_local.slices()])
+                v.copy_(have[c.src][c.src_buffer][c.src_local.slices()])
                 views.append(v)
             for c, v in zip(m.entries, views):
                 d = D[c.dst][c.dst_buffer][c.dst_local.slices()]

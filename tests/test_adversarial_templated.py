@@ -1,4 +1,4 @@
-"""Tampering with a *templated* plan's JSON (the compact form ``make_plan`` returns where layers repeat):
+"""Tampering with a *templated* plan's JSON, and with a *two-level* plan's (forwarded messages), (the compact form ``make_plan`` returns where layers repeat):
 every field of its templates (each one a copy-by-copy plan, tampered as in test_adversarial_plans), of
 its instances (template id, layer numbers, rank map), of its round placement and of its header.
 
@@ -109,7 +109,7 @@ def mutate_templated(pj: dict, rnd) -> tuple[str, dict]:
     return f"header.{f}", q
 
 
-def _verdict(pj: dict) -> tuple[str, str]:
+def _verdict(pj: dict, SRC=SRC, DST=DST, FULL=FULL, WORLD=WORLD) -> tuple[str, str]:
     """('refused', why) or ('exact' | 'WRONG', label) for one tampered plan, in process."""
     try:
         plan = Plan.from_json(pj)
@@ -156,7 +156,46 @@ def test_tampered_templated_plans(rnd, budget):
     assert verdict != "WRONG", (label, why)
 
 
+# ------------------------------------------------------------------ two-level plans (forwarding)
+
+def _two_level_layouts() -> tuple[Layout, Layout]:
+    """tp=2 on ranks 0-1 (domain 0) -> every tensor whole on ranks 2 and 3 (domain 1) and re-split on
+    ranks 1-2: each box crosses the NIC once and is forwarded inside domain 1."""
+    src, dst = Layout(), Layout()
+    tp = Mesh.of({"tp": 2})
+    both = Mesh.of({"dp": 2}, rank_offset=2)
+    for i, (shape, dt) in enumerate((((4, 6), "float32"), ((4, 2, 2), "bfloat16"), ((8,), "int32"))):
+        src.add_sharded(f"t{i}", shape, dt, tp, [("tp", 0)])
+        dst.add_sharded(f"t{i}", shape, dt, both)
+    return src, dst
+
+
+SRC2, DST2 = _two_level_layouts()
+FULL2 = aw.full_tensors(SRC2)
+PLANS2 = {b: make_plan(SRC2, DST2, budget_bytes=b, topology=2) for b in (1024, 1 << 20)}
+COUNTS2 = {"cases": 0}
+
+
+def test_the_two_level_plans_forward_and_are_exact():
+    for plan in PLANS2.values():
+        assert any(m.forward for m in plan.messages) and plan.stats["forwarded_bytes"] > 0
+        assert plan.stats["nic_bytes"] == plan.stats["hierarchical_bound_bytes"]
+        assert _verdict(json.loads(plan.dumps()), SRC2, DST2, FULL2, 4) == ("exact", "")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rnd=st.randoms(use_true_random=False), budget=st.sampled_from(sorted(PLANS2)))
+def test_tampered_two_level_plans(rnd, budget):
+    pj = json.loads(PLANS2[budget].dumps())
+    label, q = plan_mutations.mutate(pj, rnd)
+    verdict, why = _verdict(q, SRC2, DST2, FULL2, 4)
+    COUNTS2["cases"] += 1
+    COUNTS2[verdict] = COUNTS2.get(verdict, 0) + 1
+    assert verdict != "WRONG", (label, why)
+
+
 def test_zz_report(capsys):
     assert COUNTS.get("refused", 0) > COUNTS["cases"] // 3, COUNTS
+    assert COUNTS2.get("refused", 0) > COUNTS2["cases"] // 3, COUNTS2
     with capsys.disabled():
-        print(f"\ntampered templated plans in process: {COUNTS}")
+        print(f"\ntampered templated plans in process: {COUNTS}; two-level plans: {COUNTS2}")
