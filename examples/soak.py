@@ -76,7 +76,11 @@ def soak_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: 
             "bad_versions": bad_versions, "src_changed": src_changed,
             "same_storage": all(D[n].data_ptr() == p for n, p in ptrs.items()),
             "rss_first_kb": rss[0], "rss_warm_kb": rss[w], "rss_end_kb": rss[-1], "rss_max_kb": max(rss[w:]),
-            "rss_growth_kb": rss[-1] - rss[w], "refit_ms_median": 1000 * sorted(times)[len(times) // 2],
+            "rss_growth_kb": rss[-1] - rss[w],
+            # growth over each half after warm-up: a leak grows in both, a one-off step (a new malloc
+            # arena or thread stack under load) in one only
+            "rss_growth_halves_kb": [rss[(w + len(rss) - 1) // 2] - rss[w], rss[-1] - rss[(w + len(rss) - 1) // 2]],
+            "refit_ms_median": 1000 * sorted(times)[len(times) // 2],
             "refit_ms_max": 1000 * max(times), "rounds": plan.rounds, "messages": len(plan.messages)}
 
 

@@ -26,8 +26,11 @@ def test_soak_short(capsys):
         assert r["mismatched_steps"] == [], r
         assert r["bad_versions"] == [] and r["src_changed"] == 0 and r["same_storage"], r
         assert r["rounds"] > 1
-        # flat: after 5 warm-up refits, 15 more add < 1 MiB (observed: tens of kB)
-        assert r["rss_growth_kb"] < 1024, r
+        # flat: after 5 warm-up refits, 15 more add < 1 MiB (observed: tens of kB; once, on a machine at
+        # load 28, one 1 MiB step -- a new malloc arena): a leak grows in both halves, so at most one
+        # half may show such a step, and never more than 4 MiB in all
+        first, second = r["rss_growth_halves_kb"]
+        assert min(first, second) < 256 and r["rss_growth_kb"] < 4096, r
     with capsys.disabled():
         print(f"\nsoak {STEPS} refits x {len(results)} ranks: RSS growth after warm-up "
               f"{[r['rss_growth_kb'] for r in results]} kB, median refit "
