@@ -76,6 +76,7 @@ SIZES = {
 CASES = {
     "TP2 PP2 -> TP4": ({"tp": 2, "pp": 2}, {"tp": 4}),
     "TP2 EP2 -> TP1 EP4": ({"tp": 2, "ep": 2}, {"tp": 1, "ep": 4, "etp": 1}),
+    "TP2 EP2 -> TP1": ({"tp": 2, "ep": 2}, {"tp": 1}),
 }
 
 METHODS = ("mcore_reshard", "megatron_resharding", "gather_broadcast", "floor")
