@@ -366,6 +366,9 @@ class TransportFloor:
 
 # ----------------------------------------------------------------------------------- the worker
 
+_CPU = [0.0]    # process CPU seconds (every thread: gloo's included) of the last timed call
+
+
 def _call(fn, can_peak: bool) -> tuple[float, int]:
     """One timed call between barriers: (seconds, resident memory it added at its peak; -1 when the
     peak cannot be reset)."""
@@ -373,7 +376,9 @@ def _call(fn, can_peak: bool) -> tuple[float, int]:
     before = rss_bytes()
     reset_peak()
     t = time.perf_counter()
+    c = time.process_time()
     fn()
+    _CPU[0] = time.process_time() - c
     dist.barrier()
     return time.perf_counter() - t, (max(0, peak_bytes() - before) if can_peak else -1)
 
@@ -385,8 +390,9 @@ def _timed(fn, reps: int) -> dict:
     dist.barrier()
     warm = time.perf_counter() - t0
     can_peak = reset_peak()
-    runs = [_call(fn, can_peak) for _ in range(reps)]
-    return {"warmup_s": warm, "times": [t for t, _ in runs], "peak_added": max((p for _, p in runs), default=-1)}
+    runs = [(*_call(fn, can_peak), _CPU[0]) for _ in range(reps)]
+    return {"warmup_s": warm, "times": [t for t, _, _ in runs], "cpu": [c for _, _, c in runs],
+            "peak_added": max((p for _, p, _ in runs), default=-1)}
 
 
 def _timed_interleaved(fns: dict, reps: int) -> dict:
@@ -399,7 +405,7 @@ def _timed_interleaved(fns: dict, reps: int) -> dict:
         t0 = time.perf_counter()
         fn()
         dist.barrier()
-        out[name] = {"warmup_s": time.perf_counter() - t0, "times": [], "peaks": []}
+        out[name] = {"warmup_s": time.perf_counter() - t0, "times": [], "peaks": [], "cpu": []}
     can_peak = reset_peak()
     names = list(fns)
     for k in range(reps):
@@ -407,6 +413,7 @@ def _timed_interleaved(fns: dict, reps: int) -> dict:
             t, peak = _call(fns[name], can_peak)
             out[name]["times"].append(t)
             out[name]["peaks"].append(peak)
+            out[name]["cpu"].append(_CPU[0])
     for o in out.values():
         o["peak_added"] = max(o.pop("peaks")) if reps else -1
     return out
@@ -565,6 +572,8 @@ def aggregate(per_rank: list[list[dict]]) -> list[dict]:
                 times = [max(x["times"][i] for x in ms) for i in range(len(ms[0]["times"]))]
                 e.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times), times=times,
                          warmup_s=max(x["warmup_s"] for x in ms), peak_added_bytes=max(x["peak_added"] for x in ms))
+                if "cpu" in ms[0]:   # CPU seconds of all ranks together per call (all their threads)
+                    e["cpu_s"] = [sum(x["cpu"][i] for x in ms) for i in range(len(ms[0]["cpu"]))]
             if m.startswith("mcore_reshard"):
                 e.update(bytes=ms[0]["network_bytes"], lower_bound=ms[0]["lower_bound_bytes"],
                          messages=sum(x["sent_msgs"] for x in ms), rounds=ms[0]["rounds"],
