@@ -21,7 +21,7 @@ from mcore_reshard.core.planner import make_plan
 from mcore_reshard.tools.demo import build_layouts
 from mcore_reshard.tools.synthetic import materialize, reference_tensor
 
-CHUNK_MIN, CHUNK_MAX, DIRECT_MIN = 64, 512, 64
+CHUNK_MIN, CHUNK_MAX, DIRECT_MIN = 64, 2048, 64
 
 
 def shrink() -> None:

@@ -162,6 +162,7 @@ def test_peer_dies_in_a_later_chunk():
         res = out[rank]["result"]
         assert res["type"] == "TransferError", res
         assert res["raised_at"] - died_at < 2 * T, (rank, res["raised_at"] - died_at)
+        print(f"rank {rank} raised {res['raised_at'] - died_at:.2f} s after the victim died")
         assert res["state"]["interrupted"] and res["state"]["interrupted_version"] == 2, res["state"]
     dst = out[2]["result"]
     assert dst["groups_round1"] >= 4 and dst["first_plan_round"] == 0, dst
