@@ -1,13 +1,15 @@
 """Executor: the only package that moves bytes over ``torch.distributed``.
 
 ``Resharder(plan, src, dst, group)`` binds a plan to this rank's real tensors once; each
-``refit()`` then moves the bytes: local copies directly, remote ones packed into one flat staging
-buffer per message and exchanged round by round, unpacked with ``copy_`` into the existing
-destination storage (addresses never change).  On NCCL (any backend but gloo) a round is one
-grouped ``batch_isend_irecv`` (pack all, exchange all, unpack all); on gloo it is overlapped:
+``refit()`` then moves the bytes: remote ones packed into one flat staging buffer per message
+(entries of >= 256 KiB sent from / received into contiguous views directly) and exchanged round
+by round, unpacked with ``copy_`` into the existing destination storage (addresses never change);
+local ones copied directly while the first round's bytes travel.  On NCCL (any backend but gloo)
+a round is a pipeline of grouped ``batch_isend_irecv`` calls, one per chunk of its messages (pack
+chunk k+1 while chunk k is on the wire, unpack each as it lands); on gloo it is overlapped:
 receives posted first, each send posted as soon as it is packed, each receive unpacked as soon as
-it has arrived, and every entry of >= 256 KiB its own operation, sent from a contiguous source view /
-received into a contiguous destination view without staging copies (:meth:`Resharder.overlapped`).
+it has arrived (:meth:`Resharder.overlapped`, :mod:`.rounds`).  Copies go in one
+``torch._foreach_copy_`` per list (a bounded number of launches per message).
 
 Construction is collective over ``group``: every rank checks its tensors and its part of the plan
 (:func:`mcore_reshard.core.planner.validate_plan`), then all ranks exchange (plan hash, options, ok flag,
@@ -39,8 +41,8 @@ Units (no cycles; each imports only those above it):
 * :mod:`.handshake` -- :func:`agree`, the refit start, control messages, :func:`all_gather_json`, the per-group guard;
 * :mod:`.validation` -- tensors vs plan, aliasing, the plan's own checks;
 * :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
-* :mod:`.rounds` -- the batched and overlapped round paths;
-* :mod:`.transfer` -- one refit: start, local copies, rounds, version bookkeeping, confirmation;
+* :mod:`.rounds` -- the batched (chunked, pipelined) and overlapped round paths, pack / unpack;
+* :mod:`.transfer` -- one refit: start, rounds with the local copies overlapped, version bookkeeping, confirmation;
 * :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state.
 """
 from __future__ import annotations

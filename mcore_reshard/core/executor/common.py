@@ -15,7 +15,11 @@ _DTYPES = {
     "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 _CS_BYTES = 16          # per-entry checksum trailer in verify mode: two int64
-_DIRECT_MIN = 256 << 10   # overlapped path: entries of at least this many bytes get their own P2P operation
+_DIRECT_MIN = 256 << 10   # entries of at least this many bytes get their own P2P operation (binding.parts)
+# batched path: a message goes in chunks (rounds.windows): the first _CHUNK_MIN bytes, then doubling up to _CHUNK_MAX
+_CHUNK_MIN = 1 << 20
+_CHUNK_MAX = 16 << 20
+_LOCAL_SLICE = 4 << 20    # local copies run in slices of about this many bytes between waits (transfer.LocalCopies)
 
 
 def torch_dtype(name: str) -> torch.dtype:

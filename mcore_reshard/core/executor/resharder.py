@@ -34,7 +34,7 @@ class Resharder:
     the same everywhere).  ``staging``: a uint8 tensor to use instead of allocating the staging
     buffer, when at least :func:`staging_size` bytes (shared by Resharders run one after another).
     ``overlap``: how a round moves its messages (see :meth:`overlapped`); ``None`` (default): overlapped
-    on gloo, one grouped ``batch_isend_irecv`` per round on every other backend (NCCL).
+    on gloo, grouped ``batch_isend_irecv`` calls (one per chunk, pipelined) on every other backend (NCCL).
     ``layouts``: ``(src_layout, dst_layout)`` the plan claims to come from; when given, every copy
     of this rank is checked against them before a byte moves (``MegatronRefit`` passes them).
     Refits run without autograd on detached views (``nn.Parameter`` tensors stay as they are).
@@ -185,8 +185,9 @@ class Resharder:
         ``overlap=None`` (default) chooses by backend: overlapped on gloo, whose ``isend``/``irecv``
         are independent asynchronous operations (``batch_isend_irecv`` on gloo only posts them one
         after another), and batched on every other backend: NCCL point-to-point operations must be
-        launched inside one group (one ``batch_isend_irecv``) per round, or two ranks sending to
-        each other can deadlock.  ``overlap=True`` on a non-gloo backend is refused for the same
+        launched inside groups (``batch_isend_irecv``; :func:`~.rounds.round_batched` posts one per
+        chunk, derived from the plan alike on both ends), or two ranks sending to each other can
+        deadlock.  ``overlap=True`` on a non-gloo backend is refused for the same
         reason (construction and :meth:`rebind` raise).  The environment variable ``MCORE_RESHARD_OVERLAP`` (``0``/``1``) overrides the
         default choice (benchmarks); an explicit ``overlap`` argument wins over it."""
         return _rounds.use_overlap(self.group, self.overlap)

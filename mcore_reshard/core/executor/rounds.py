@@ -1,5 +1,11 @@
-"""One round of a refit, two ways: batched (one ``batch_isend_irecv``; NCCL) and overlapped (gloo),
-with packing, unpacking (verify checks) and the :class:`TransferError` of a failed wait.
+"""One round of a refit, two ways: batched (grouped ``batch_isend_irecv`` calls, chunked and
+pipelined; NCCL) and overlapped (gloo), with packing, unpacking (verify checks) and the
+:class:`TransferError` of a failed wait.
+
+Both take ``background``: a callable that does one slice of other work (the refit's local copies,
+:class:`~.transfer.LocalCopies`) and returns False once there is none; a round calls it whenever
+its bytes are on the wire and it would otherwise wait, so the wire never idles behind local
+copies.  The time spent in it extends the round's deadline (a wait is never cut short by it).
 
 Each function takes the bound :class:`~.resharder.Resharder` ``r`` (group, timeout, verify, rounds)."""
 from __future__ import annotations
@@ -10,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import common
 from .binding import Round
 from .checksum import checksum
 from .common import _CS_BYTES, bounded_wait
@@ -27,29 +34,45 @@ def use_overlap(group, overlap: bool | None) -> bool:
     return bool(want) and backend == "gloo"
 
 
-def pack(r, buf: torch.Tensor, pairs: list, m) -> None:
-    """Copy every source view of message ``m`` into its staging view (+ checksums with verify)."""
-    for j, (stage, s) in enumerate(pairs):
-        stage.copy_(s)
-        if r.verify:
-            buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(checksum(s))
+def copy_all(dsts: list, srcs: list) -> None:
+    """``dsts[k].copy_(srcs[k])`` for every k in ONE ``torch._foreach_copy_`` (a bounded number of
+    launches per list on a GPU: multi-tensor kernels instead of one launch per copy; on CPU it
+    costs ~40% less per small copy than a Python loop of ``copy_``, BENCHMARKS.md D.2)."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
-def unpack(r, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: list[str], bad_buffers: set) -> None:
-    """Copy every staging view of a received message into its destination view (verify: check
-    the staged and the unpacked bytes; a corrupt entry is skipped and its buffer marked bad)."""
+def pack(r, buf: torch.Tensor, pairs: list, m, idx=None) -> None:
+    """Copy the source views of message ``m`` into their staging views (+ checksums with verify):
+    every pair, or the entries ``idx`` of the message's full ``pairs``."""
+    sel = range(len(pairs)) if idx is None else idx
+    copy_all([pairs[j][0] for j in sel], [pairs[j][1] for j in sel])
+    if r.verify:
+        for j in sel:
+            buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(checksum(pairs[j][1]))
+
+
+def unpack(r, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: list[str], bad_buffers: set,
+           idx=None) -> None:
+    """Copy the staging views of a received message into their destination views: every pair, or
+    the entries ``idx`` of the message's full ``pairs`` (verify: check the staged and the unpacked
+    bytes; a corrupt entry is skipped and its buffer marked bad)."""
     n = len(r.rounds)
-    for j, (stage, d) in enumerate(pairs):
+    sel = range(len(pairs)) if idx is None else idx
+    if not r.verify:
+        copy_all([pairs[j][1] for j in sel], [pairs[j][0].view(pairs[j][1].shape) for j in sel])
+        return
+    for j in sel:
+        stage, d = pairs[j]
         c = m.entries[j]
-        if r.verify:
-            want = buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64)
-            if not torch.equal(checksum(stage), want):
-                problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} arrived with a "
-                                f"different checksum than rank {peer} sent (buffer {c.dst_buffer})")
-                bad_buffers.add(c.dst_buffer)
-                continue
+        want = buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64)
+        if not torch.equal(checksum(stage), want):
+            problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} arrived with a "
+                            f"different checksum than rank {peer} sent (buffer {c.dst_buffer})")
+            bad_buffers.add(c.dst_buffer)
+            continue
         d.copy_(stage.reshape(d.shape))
-        if r.verify and d.dtype == stage.dtype and not torch.equal(checksum(d), checksum(stage)):
+        if d.dtype == stage.dtype and not torch.equal(checksum(d), checksum(stage)):
             problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} differs from what "
                             f"arrived after unpacking into buffer {c.dst_buffer}")
             bad_buffers.add(c.dst_buffer)
@@ -71,35 +94,185 @@ def round_error(r, v: int, i: int, rnd: Round, label: str, e: BaseException, wai
         f"cause: {type(e).__name__}: {str(e)[:300]}", version=v, round=i + 1, peers=peers)
 
 
-def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set) -> None:
-    """Pack every send, post all sends and receives in ONE ``batch_isend_irecv`` (NCCL groups
-    them: no deadlock whatever the order), wait for all, then unpack every receive."""
-    for _, buf, pairs, m, _ in rnd.sends:
-        pack(r, buf, pairs, m)
-    ops = [dist.P2POp(dist.isend, buf, group=r.group, group_peer=peer) for peer, buf, *_ in rnd.sends]
-    ops += [dist.P2POp(dist.irecv, buf, group=r.group, group_peer=peer) for peer, buf, *_ in rnd.recvs]
-    labels = [f"sending to rank {peer}" for peer, *_ in rnd.sends] + [f"receiving from rank {peer}" for peer, *_ in rnd.recvs]
-    if ops:
-        t0 = time.monotonic()
+class _Clock:
+    """A round's deadline: its start + ``timeout``, pushed back by the time spent in background work."""
+
+    def __init__(self, r, v, i, rnd, background):
+        self.r, self.v, self.i, self.rnd, self.bg = r, v, i, rnd, background
+        self.t0 = time.monotonic()
+        self.extra = 0.0
+
+    def idle(self) -> bool:
+        """One slice of background work (True: there was some)."""
+        if self.bg is None:
+            return False
+        t = time.monotonic()
+        more = self.bg()
+        self.extra += time.monotonic() - t
+        if not more:
+            self.bg = None
+        return more
+
+    def idle_until(self, works) -> None:
+        """Background work while any of ``works`` is still in flight."""
+        while self.bg is not None and not all(w.is_completed() for w in works):
+            self.idle()
+
+    def wait(self, work, label: str) -> None:
         try:
-            works = dist.batch_isend_irecv(ops)
-            if len(works) != len(ops):
-                labels = ["exchanging with ranks " + ",".join(map(str, sorted(set(rnd.send_peers) | set(rnd.recv_peers))))] * len(works)
-            deadline = t0 + r.timeout_s
-            for work, label in zip(works, labels):
-                try:
-                    bounded_wait(work, deadline - time.monotonic(), r.group)
-                except Exception as e:  # noqa: BLE001
-                    raise round_error(r, v, i, rnd, label, e, time.monotonic() - t0) from e
-        except TransferError:
-            raise
-        except Exception as e:  # noqa: BLE001 - posting failed (peer gone before the round)
-            raise round_error(r, v, i, rnd, "posting the round", e, time.monotonic() - t0) from e
-    for peer, buf, pairs, m, _ in rnd.recvs:
-        unpack(r, i, peer, buf, pairs, m, problems, bad_buffers)
+            bounded_wait(work, self.t0 + self.extra + self.r.timeout_s - time.monotonic(), self.r.group)
+        except Exception as e:  # noqa: BLE001
+            raise self.error(label, e) from e
+
+    def error(self, label: str, e: BaseException) -> TransferError:
+        return round_error(self.r, self.v, self.i, self.rnd, label, e, time.monotonic() - self.t0 - self.extra)
 
 
-def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set) -> None:
+def windows(n: int) -> list[tuple[int, int]]:
+    """The byte windows ``[lo, hi)`` that chunk a message of ``n`` bytes on the batched path:
+    ``_CHUNK_MIN``, then doubling up to ``_CHUNK_MAX`` (the first chunk is small so the wire starts
+    early; later ones large so operations stay few: <= 5 + n / _CHUNK_MAX windows with the
+    defaults 1 / 16 MiB).  A function of ``n`` alone: both ends of a message derive the same ones."""
+    out, lo, size = [], 0, common._CHUNK_MIN
+    while lo < n:
+        out.append((lo, min(n, lo + size)))
+        lo += size
+        size = min(2 * size, common._CHUNK_MAX)
+    return out or [(0, 0)]
+
+
+def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> list[list]:
+    """Message ``m``'s operations on the batched path, grouped by window (:func:`windows`): one
+    list per group, of ``(wire tensor, ("pairs", pairs) | ("idx", entry indices))`` (group k of every
+    message of the round goes in the round's k-th ``batch_isend_irecv``).
+
+    Split into :func:`~.binding.parts` (entries >= ``_DIRECT_MIN`` their own operation, straight from
+    / into a contiguous view when this end's view allows it; the pairs of a part are what it packs /
+    unpacks): each part goes in the window its first byte falls in.  Whole-message staging
+    (``verify``, entries out of order): byte slices of the staging slice, one per window; before a
+    slice is sent every entry that starts in it is packed, after it arrives every entry that ends
+    in it is unpacked (``verify``: all of them after the last slice, which carries the checksum
+    trailer).  Sizes come from the plan alone, so both ends post matching operations in matching
+    groups."""
+    wins = windows(buf.numel())
+    if not verify and not (len(parts) == 1 and parts[0][0] is buf):
+        out: list[list] = [[] for _ in wins]
+        at, k = 0, 0
+        for w, pp in parts:
+            while k + 1 < len(wins) and at >= wins[k][1]:
+                k += 1
+            out[k].append((w, ("pairs", pp)))
+            at += w.numel()
+        return [g for g in out if g]
+    order = sorted(range(len(m.entries)), key=lambda j: m.entries[j].offset)
+    out, done = [], 0
+    for n, (lo, hi) in enumerate(wins):
+        last = n == len(wins) - 1
+        if last:
+            sel = order[done:]
+        elif recv:
+            sel = [] if verify else [j for j in order[done:] if m.entries[j].offset + m.entries[j].nbytes <= hi]
+        else:
+            sel = [j for j in order[done:] if m.entries[j].offset < hi]
+        done += len(sel)
+        out.append([(buf[lo:hi], ("idx", sel))])
+    return out
+
+
+def _schedule(r, i: int, rnd: Round) -> list:
+    """The groups of round ``i`` on the batched path (cached on ``r`` per round and verify): each a
+    list of ``(is_send, peer, wire, message tuple, what to pack / unpack)``, receives first."""
+    cache = r.__dict__.setdefault("_chunk_cache", {})
+    key = (i, r.verify)
+    if key not in cache:
+        groups: list[list] = []
+        for is_send, side in ((True, rnd.sends), (False, rnd.recvs)):
+            for msg in side:
+                peer, buf, _, m, parts = msg
+                for k, g in enumerate(chunk_ops(m, buf, parts, not is_send, r.verify)):
+                    while len(groups) <= k:
+                        groups.append([])
+                    groups[k] += [(is_send, peer, w, msg, what) for w, what in g]
+        for g in groups:
+            g.sort(key=lambda op: op[0])
+        cache[key] = groups
+    return cache[key]
+
+
+def _prepare(r, op) -> None:
+    """Pack what a send operation carries (nothing for a receive or a direct part)."""
+    is_send, _, _, (_, buf, pairs, m, _), (kind, what) = op
+    if is_send and what:
+        if kind == "idx":
+            pack(r, buf, pairs, m, what)
+        else:
+            pack(r, buf, what, m)
+
+
+def _land(r, i: int, op, problems: list[str], bad_buffers: set) -> None:
+    """Unpack what a received operation carried."""
+    is_send, peer, w, (_, buf, pairs, m, _), (kind, what) = op
+    if not is_send and what:
+        if kind == "idx":
+            unpack(r, i, peer, buf, pairs, m, problems, bad_buffers, what)
+        else:
+            unpack(r, i, peer, w, what, m, problems, bad_buffers)
+
+
+def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set, background=None) -> None:
+    """The round as grouped ``batch_isend_irecv`` calls, one per chunk (:func:`chunk_ops`), pipelined:
+    pack group k+1 while group k is on the wire, unpack each receive of group k once it landed.
+
+    Loop: pack group k -> post it (one ``batch_isend_irecv``) -> background work while group k-1
+    is in flight -> wait for group k-1 and unpack it -> k+1.  At most two groups are in flight.  NCCL (the reason for groups: two
+    ranks sending to each other outside a group can deadlock): group k of a rank holds exactly
+    the k-th chunks of its messages of the round, and the chunking of a message is a function of
+    the plan alone, so the peer's group k holds the matching operations; every rank posts its
+    groups in increasing k and waits for group k only after posting k+1, never on anything of a
+    later group, so by induction on k every group completes (and operations between one pair
+    are issued in the same order on both ends, which NCCL and gloo match in order).  On NCCL the
+    packing kernels of group k+1 run on the current stream while group k's transfer runs on
+    NCCL's stream (posting makes NCCL's stream wait for the current one)."""
+    groups = _schedule(r, i, rnd)
+    if not groups:
+        return
+    clock = _Clock(r, v, i, rnd, background)
+    ids = sorted(set(rnd.send_peers) | set(rnd.recv_peers))
+
+    def post(g):
+        for op in g:
+            _prepare(r, op)
+        label = "posting the round"
+        try:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if s else dist.irecv, w, group=r.group, group_peer=p)
+                                            for s, p, w, *_ in g])
+        except Exception as e:  # noqa: BLE001 - posting failed (peer gone before or during the round)
+            raise clock.error(label, e) from e
+        return g, works
+
+    def finish(g, works):
+        if len(works) == len(g):
+            for op, work in zip(g, works):
+                clock.wait(work, f"{'sending to' if op[0] else 'receiving from'} rank {op[1]}")
+                _land(r, i, op, problems, bad_buffers)
+            return
+        for work in works:   # a coalescing backend (NCCL): one work for the group
+            clock.wait(work, "exchanging with ranks " + ",".join(map(str, ids)))
+        for op in g:
+            _land(r, i, op, problems, bad_buffers)
+
+    prev = None
+    for g in groups:
+        cur = post(g)
+        if prev is not None:
+            clock.idle_until(prev[1])
+            finish(*prev)
+        prev = cur
+    clock.idle_until(prev[1])
+    finish(*prev)
+
+
+def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set, background=None) -> None:
     """gloo only (:meth:`Resharder.overlapped`): packing, the wire and unpacking overlap.
 
     1. One ``batch_isend_irecv`` opens the round: every receive of the round (so peers' bytes
@@ -108,23 +281,16 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
        same order on both ends of every pair; gloo matches a pair's messages in order), so its
        bytes travel while the next one is packed.
     3. Receives are unpacked one by one as soon as each has arrived (first every one already
-       complete, else the next in order is waited for), while the others still travel.
+       complete, else background work -- the local copies -- else the next in order is waited for),
+       while the others still travel.
     4. Then the sends are waited for (their buffers are reused by the next round).
 
     A message goes as one or more operations (:func:`~.binding.parts`): its large entries one each, sent
     straight from a contiguous source view and received straight into a contiguous destination
-    view (no pack / unpack copy; never with ``verify``).  Every wait is bounded by the round's deadline (its start + ``timeout``) and
-    fails with the same :class:`TransferError` (round, peers, what it was waiting for) as the
-    batched path."""
-    t0 = time.monotonic()
-    deadline = t0 + r.timeout_s
-
-    def wait(work, label):
-        try:
-            bounded_wait(work, deadline - time.monotonic(), r.group)
-        except Exception as e:  # noqa: BLE001
-            raise round_error(r, v, i, rnd, label, e, time.monotonic() - t0) from e
-
+    view (no pack / unpack copy; never with ``verify``).  Every wait is bounded by the round's deadline
+    (its start + ``timeout`` + the time spent in background work) and fails with the same
+    :class:`TransferError` (round, peers, what it was waiting for) as the batched path."""
+    clock = _Clock(r, v, i, rnd, background)
     # one operation per part, in plan order: (peer, wire tensor, pairs, message)
     sends = [(peer, w, pp, m) for peer, _, _, m, parts in rnd.sends for w, pp in parts]
     recvs = [(peer, w, pp, m) for peer, _, _, m, parts in rnd.recvs for w, pp in parts]
@@ -150,14 +316,18 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
     except TransferError:
         raise
     except Exception as e:  # noqa: BLE001 - posting failed (peer gone before or during the round)
-        raise round_error(r, v, i, rnd, label, e, time.monotonic() - t0) from e
+        raise clock.error(label, e) from e
     pending = list(range(len(recvs)))
     while pending:
-        done = [k for k in pending if recv_works[k].is_completed()] or pending[:1]
-        for k in done:
+        done = [k for k in pending if recv_works[k].is_completed()]
+        if not done and clock.idle():
+            continue
+        for k in done or pending[:1]:
             peer, w, pairs, m = recvs[k]
-            wait(recv_works[k], f"receiving from rank {peer}")
+            clock.wait(recv_works[k], f"receiving from rank {peer}")
             unpack(r, i, peer, w, pairs, m, problems, bad_buffers)
-        pending = [k for k in pending if k not in done]
+        pending = [k for k in pending if k not in (done or pending[:1])]
+    while clock.idle():
+        pass
     for work, label in send_works:
-        wait(work, label)
+        clock.wait(work, label)

@@ -1,4 +1,5 @@
-"""One refit's byte movement and its bookkeeping: local copies and padding, the rounds (with the
+"""One refit's byte movement and its bookkeeping: padding, the rounds with the local copies
+overlapped with the first one (with the
 stage at which each destination buffer loses / gains its version), verify's source check, and the
 final confirmation.  Each function takes the bound :class:`~.resharder.Resharder` ``r``."""
 from __future__ import annotations
@@ -7,10 +8,11 @@ import time
 
 import torch
 
+from . import common
 from .checksum import checksum
 from .errors import ReshardError, TransferError
 from .handshake import exchange, refit_start, step_mismatch
-from .rounds import round_batched, round_overlapped
+from .rounds import copy_all, round_batched, round_overlapped
 
 
 def stage_begin(r, stage: int) -> None:
@@ -25,29 +27,82 @@ def stage_end(r, stage: int, version: int) -> None:
         r._buffer_version[name] = version
 
 
+class LocalCopies:
+    """This refit's local copies (``copy_`` from a source into a destination view on the same rank),
+    run in slices of about ``_LOCAL_SLICE`` bytes (one ``torch._foreach_copy_`` each) by the first
+    round whenever its bytes are on the wire, instead of all of them before any byte is posted;
+    :meth:`drain` runs what is left.  With ``verify`` every copy is checked against its source."""
+
+    def __init__(self, r, problems: list[str], bad_buffers: set):
+        self.r, self.problems, self.bad = r, problems, bad_buffers
+        self.k = 0
+
+    def step(self) -> bool:
+        """Run the next slice; whether copies are left after it."""
+        local, k = self.r.local, self.k
+        if k >= len(local):
+            return False
+        j, size = k, 0
+        while j < len(local) and (j == k or size < common._LOCAL_SLICE):
+            size += local[j][2].nbytes
+            j += 1
+        sel = local[k:j]
+        self.k = j
+        copy_all([d for d, _, _ in sel], [s if s.shape == d.shape else s.reshape(d.shape) for d, s, _ in sel])
+        if self.r.verify:
+            for d, s, c in sel:
+                if d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
+                    self.problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
+                    self.bad.add(c.dst_buffer)
+        return self.k < len(local)
+
+    def drain(self) -> None:
+        while self.step():
+            pass
+
+
 def transfer(r, v: int, problems: list[str]) -> dict:
-    """Local copies and padding, then every round; ``problems`` collects verify failures."""
+    """Padding, then every round, with the local copies done while the first round's bytes travel
+    (:class:`LocalCopies`); ``problems`` collects verify failures.
+
+    Version bookkeeping: a buffer first written by the local copies or round ``i`` loses its
+    version before that stage starts (before the round's operations are posted, so before any
+    byte of it can land); a buffer last written by the local copies gets this refit's version
+    once they are all done (:meth:`LocalCopies.drain`, after the first round), one last written by
+    round ``i`` once that round is complete.  A round that fails leaves the buffers it writes
+    without a version; the local copies are still finished first (they need no peer)."""
     src_sums = {n: checksum(t) for n, t in r.src.items()} if r.verify else {}
     stage_begin(r, -1)
     for view, _ in r.padding:
         view.zero_()
-    bad_buffers = set()
-    for d, s, c in r.local:
-        d.copy_(s.reshape(d.shape))
-        if r.verify and d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
-            problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
-            bad_buffers.add(c.dst_buffer)
-    stage_end(r, -1, v)
+    bad_buffers: set = set()
+    local = LocalCopies(r, problems, bad_buffers)
     sent = nmsg = 0
     run_round = round_overlapped if r.overlapped() else round_batched
+    if r.rounds and any(m.forward for *_, m, _ in r.rounds[0].sends):
+        # a forwarded send (two-level plans) packs destination views, which the local copies may
+        # write: those copies must be done before its round is packed
+        local.drain()
     for i, rnd in enumerate(r.rounds):
         stage_begin(r, i)
         r._dirty = True      # operations of this round may stay pending if it is interrupted
-        run_round(r, v, i, rnd, problems, bad_buffers)
+        try:
+            run_round(r, v, i, rnd, problems, bad_buffers, background=local.step if i == 0 else None)
+        except Exception:
+            if i == 0:
+                local.drain()
+                stage_end(r, -1, v)
+            raise
+        if i == 0:
+            local.drain()
+            stage_end(r, -1, v)
         r._dirty = False
         stage_end(r, i, v)
         nmsg += len(rnd.sends)
         sent += sum(b.numel() for _, b, *_ in rnd.sends)
+    if not r.rounds:
+        local.drain()
+        stage_end(r, -1, v)
     changed = sorted(n for n, t in r.src.items() if not torch.equal(checksum(t), src_sums[n])) if r.verify else []
     if changed:
         r._sources_changed = True

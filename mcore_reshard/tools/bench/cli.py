@@ -38,6 +38,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                                                         "vs gather+broadcast (4 processes)")
     p.add_argument("--sizes", default="20M,100M,300M", help="live model sizes (default: %(default)s; also: tiny, 1B)")
     p.add_argument("--cases", default=None, help="live layout pairs, ';'-separated (default: all)")
+    p.add_argument("--methods", default=None, help="live methods, comma separated (default: all of "
+                                                    "bench.live.METHODS)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="live model dtype")
     p.add_argument("--budget-mib", type=float, default=256.0, help="staging budget per rank and round (default: 256)")
@@ -116,7 +118,8 @@ def cmd_bench(args) -> int:
             t0 = time.perf_counter()
             load = os.getloadavg()[0]
             try:
-                got = run_live([size], cases, reps=reps, budget=budget, dtype=args.dtype, timeout=args.timeout)
+                got = run_live([size], cases, reps=reps, budget=budget, dtype=args.dtype, timeout=args.timeout,
+                               methods=[m for m in args.methods.split(",") if m] if args.methods else None)
             except Exception as e:  # noqa: BLE001 - reported, the other sizes still run
                 _log(f"[bench] live {size} failed: {str(e)[-2000:]}")
                 status = 1

@@ -7,7 +7,9 @@ holds a shard of the source *and* of the destination), then each method in turn:
 
 1. zero every destination parameter and buffer (so a method that moves nothing fails the check);
    (with ``MCORE_RESHARD_BENCH_BATCHED=1`` in the environment, ``mcore_reshard_batched`` is also
-   timed: the same Resharder with ``overlap=False``, i.e. one grouped ``batch_isend_irecv`` per round);
+   timed: the same Resharder with ``overlap=False``, i.e. the grouped batched path NCCL uses);
+   ``mcore_reshard``, ``mcore_reshard_batched`` and ``floor`` are timed interleaved call by call
+   (:func:`_timed_interleaved`), so their ratios are fair on a machine whose load drifts;
 2. one warm-up call (plan building, caches, first-touch of staging memory), then ``reps`` timed
    calls, each between two barriers; for each timed call the peak resident memory above the
    resident memory before the call (``/proc/self/status`` VmHWM after resetting it through
@@ -76,6 +78,7 @@ SIZES = {
 CASES = {
     "TP2 PP2 -> TP4": ({"tp": 2, "pp": 2}, {"tp": 4}),
     "TP2 EP2 -> TP1 EP4": ({"tp": 2, "ep": 2}, {"tp": 1, "ep": 4, "etp": 1}),
+    "TP2 EP2 -> TP1": ({"tp": 2, "ep": 2}, {"tp": 1}),
 }
 
 METHODS = ("mcore_reshard", "megatron_resharding", "gather_broadcast", "floor")
@@ -363,6 +366,9 @@ class TransportFloor:
 
 # ----------------------------------------------------------------------------------- the worker
 
+_CPU = [0.0]    # process CPU seconds (every thread: gloo's included) of the last timed call
+
+
 def _call(fn, can_peak: bool) -> tuple[float, int]:
     """One timed call between barriers: (seconds, resident memory it added at its peak; -1 when the
     peak cannot be reset)."""
@@ -370,7 +376,9 @@ def _call(fn, can_peak: bool) -> tuple[float, int]:
     before = rss_bytes()
     reset_peak()
     t = time.perf_counter()
+    c = time.process_time()
     fn()
+    _CPU[0] = time.process_time() - c
     dist.barrier()
     return time.perf_counter() - t, (max(0, peak_bytes() - before) if can_peak else -1)
 
@@ -382,35 +390,33 @@ def _timed(fn, reps: int) -> dict:
     dist.barrier()
     warm = time.perf_counter() - t0
     can_peak = reset_peak()
-    runs = [_call(fn, can_peak) for _ in range(reps)]
-    return {"warmup_s": warm, "times": [t for t, _ in runs], "peak_added": max((p for _, p in runs), default=-1)}
+    runs = [(*_call(fn, can_peak), _CPU[0]) for _ in range(reps)]
+    return {"warmup_s": warm, "times": [t for t, _, _ in runs], "cpu": [c for _, _, c in runs],
+            "peak_added": max((p for _, p, _ in runs), default=-1)}
 
 
-def _timed_ab(refit, reps: int) -> tuple[dict, dict]:
-    """Like :func:`_timed` for ``refit.refit()`` with the Resharder's default ``overlap`` and with
-    ``overlap=False``, alternating call by call (one warm-up each)."""
-    res = refit.resharder
-
-    def call(overlap):
-        res.overlap = overlap
-        refit.refit()
-
+def _timed_interleaved(fns: dict, reps: int) -> dict:
+    """Like :func:`_timed` for several methods at once, interleaved call by call (the shared
+    machine's load drifts; ratios between them are only fair call by call): one warm-up each, then
+    ``reps`` rounds, each calling every method once, in order and reversed alternately (A B C, C B
+    A, ...).  Returns ``{name: {"warmup_s", "times", "peak_added"}}``."""
     out = {}
-    for overlap in (None, False):
+    for name, fn in fns.items():
         t0 = time.perf_counter()
-        call(overlap)
+        fn()
         dist.barrier()
-        out[overlap] = {"warmup_s": time.perf_counter() - t0, "times": [], "peaks": []}
+        out[name] = {"warmup_s": time.perf_counter() - t0, "times": [], "peaks": [], "cpu": []}
     can_peak = reset_peak()
-    for i in range(2 * reps):
-        overlap = (None, False)[(i + i // 2) % 2]     # A B B A A B B A ...
-        t, peak = _call(lambda: call(overlap), can_peak)
-        out[overlap]["times"].append(t)
-        out[overlap]["peaks"].append(peak)
-    res.overlap = None
+    names = list(fns)
+    for k in range(reps):
+        for name in (names if k % 2 == 0 else names[::-1]):
+            t, peak = _call(fns[name], can_peak)
+            out[name]["times"].append(t)
+            out[name]["peaks"].append(peak)
+            out[name]["cpu"].append(_CPU[0])
     for o in out.values():
         o["peak_added"] = max(o.pop("peaks")) if reps else -1
-    return out[None], out[False]
+    return out
 
 
 def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budget: int, dtype_name: str,
@@ -446,34 +452,57 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                 t = time.perf_counter()
                 refit = MegatronRefit(src, dst, budget_bytes=budget)
                 res["plan_s"] = time.perf_counter() - t
+            floor = TransportFloor(refit.plan) if "floor" in methods else None
             if "mcore_reshard" in methods:
+                # interleaved call by call with the floor (and, with MCORE_RESHARD_BENCH_BATCHED=1,
+                # the same Resharder with overlap=False: the grouped batched path NCCL uses)
                 _zero(dst)
+                res_ = refit.resharder
                 ab = os.environ.get("MCORE_RESHARD_BENCH_BATCHED") == "1"
+
+                def ours(overlap):
+                    res_.overlap = overlap
+                    refit.refit()
+
+                fns = {"mcore_reshard": lambda: ours(None)}
                 if ab:
-                    # A/B in the same run, interleaved call by call (machine load drifts): the same
-                    # Resharder with its default (overlapped on gloo) and with overlap=False (one
-                    # grouped batch_isend_irecv per round: pack all, exchange all, unpack all, as on NCCL)
-                    r, b = _timed_ab(refit, reps)
-                    _zero(dst)
-                    refit.refit()       # the default path lands the bytes checked below
-                else:
-                    r = _timed(lambda: refit.refit(), reps)
+                    fns["mcore_reshard_batched"] = lambda: ours(False)
+                if floor is not None:
+                    fns["floor"] = floor.run
+                timed = _timed_interleaved(fns, reps)
+                res_.overlap = None
+                r = timed["mcore_reshard"]
+                _zero(dst)
+                refit.refit()       # the default path lands the bytes checked below
                 st = refit.plan.stats
                 r.update(sent_bytes=int(st["sent_bytes"].get(str(rank), 0)),
                          sent_msgs=sum(1 for m in refit.plan.messages if m.src == rank),
                          rounds=refit.plan.rounds, staging_bytes=refit.resharder.staging_bytes,
                          lower_bound_bytes=st["lower_bound_bytes"], network_bytes=st["network_bytes"],
                          exact=_exactness(worker_mod, dst, src_ref))
+                # what this rank copies besides the wire: local copies, staged (packed / unpacked) bytes, operations
+                r.update(local_bytes=sum(c.nbytes for _, _, c in res_.local),
+                         staged_bytes=sum(s.numel() * s.element_size() for rnd in res_.rounds
+                                          for side in (rnd.sends, rnd.recvs) for *_, parts in side
+                                          for _, pp in parts for s, _ in pp),
+                         gloo_ops=sum(len(parts) for rnd in res_.rounds for side in (rnd.sends, rnd.recvs)
+                                      for *_, parts in side))
                 res["methods"]["mcore_reshard"] = r
                 if ab:
+                    b = timed["mcore_reshard_batched"]
                     b.update({k: r[k] for k in ("sent_bytes", "sent_msgs", "rounds", "staging_bytes",
                                                 "lower_bound_bytes", "network_bytes")})
-                    refit.resharder.overlap = False
+                    res_.overlap = False
                     _zero(dst)
                     refit.refit()
                     b["exact"] = _exactness(worker_mod, dst, src_ref)
-                    refit.resharder.overlap = None
+                    res_.overlap = None
                     res["methods"]["mcore_reshard_batched"] = b
+                if floor is not None:
+                    f = timed["floor"]
+                    f.update(sent_bytes=floor.sent_bytes, sent_msgs=floor.messages)
+                    res["methods"]["floor"] = f
+                    floor = None
             if "megatron_resharding" in methods:
                 # as shipped: bit-exactness only (SequentialMLP expert names are not remapped)
                 clear_all_caches()
@@ -495,8 +524,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                 res["methods"]["megatron_resharding"] = r
                 clear_all_caches()
                 patch_sequential_mlp_names(False)
-            if "floor" in methods:
-                floor = TransportFloor(refit.plan)
+            if floor is not None:       # the floor alone (mcore_reshard not run)
                 r = _timed(floor.run, reps)
                 r.update(sent_bytes=floor.sent_bytes, sent_msgs=floor.messages)
                 res["methods"]["floor"] = r
@@ -544,11 +572,16 @@ def aggregate(per_rank: list[list[dict]]) -> list[dict]:
                 times = [max(x["times"][i] for x in ms) for i in range(len(ms[0]["times"]))]
                 e.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times), times=times,
                          warmup_s=max(x["warmup_s"] for x in ms), peak_added_bytes=max(x["peak_added"] for x in ms))
+                if "cpu" in ms[0]:   # CPU seconds of all ranks together per call (all their threads)
+                    e["cpu_s"] = [sum(x["cpu"][i] for x in ms) for i in range(len(ms[0]["cpu"]))]
             if m.startswith("mcore_reshard"):
                 e.update(bytes=ms[0]["network_bytes"], lower_bound=ms[0]["lower_bound_bytes"],
                          messages=sum(x["sent_msgs"] for x in ms), rounds=ms[0]["rounds"],
                          staging_bytes=max(x["staging_bytes"] for x in ms))
                 e["peak_added_bytes"] = max(x["peak_added"] + x["staging_bytes"] for x in ms)
+                for k in ("local_bytes", "staged_bytes", "gloo_ops"):
+                    if k in ms[0]:
+                        e[k + "_per_rank"] = [x[k] for x in ms]
                 e["transient_peak_bytes"] = max(x["peak_added"] for x in ms)
             elif m in ("megatron_resharding", "floor"):
                 e.update(bytes=sum(x["sent_bytes"] for x in ms), messages=sum(x["sent_msgs"] for x in ms))
