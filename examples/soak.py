@@ -31,6 +31,12 @@ from mcore_reshard.core.planner import make_plan  # noqa: E402
 from mcore_reshard.tools.synthetic import materialize  # noqa: E402
 
 
+def _median_growth(samples: list) -> int:
+    k = max(1, len(samples) // 3)
+    first, last = sorted(samples[:k]), sorted(samples[-k:])
+    return last[k // 2] - first[k // 2]
+
+
 def soak_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: bool, steps: int, budget: int,
                 verify: bool, warmup: int, timeout: float) -> dict:
     torch.set_num_threads(1)
@@ -77,9 +83,9 @@ def soak_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: 
             "same_storage": all(D[n].data_ptr() == p for n, p in ptrs.items()),
             "rss_first_kb": rss[0], "rss_warm_kb": rss[w], "rss_end_kb": rss[-1], "rss_max_kb": max(rss[w:]),
             "rss_growth_kb": rss[-1] - rss[w],
-            # growth over each half after warm-up: a leak grows in both, a one-off step (a new malloc
-            # arena or thread stack under load) in one only
-            "rss_growth_halves_kb": [rss[(w + len(rss) - 1) // 2] - rss[w], rss[-1] - rss[(w + len(rss) - 1) // 2]],
+            # median of the last third after warm-up minus that of the first third: single samples
+            # jitter by ~0.5 MB (transient buffers), a leak shifts the medians
+            "rss_growth_median_kb": _median_growth(rss[w:]),
             "refit_ms_median": 1000 * sorted(times)[len(times) // 2],
             "refit_ms_max": 1000 * max(times), "rounds": plan.rounds, "messages": len(plan.messages)}
 
