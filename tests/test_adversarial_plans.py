@@ -37,18 +37,20 @@ PLANS = {b: make_plan(SRC, DST, budget_bytes=b) for b in (1024, 1 << 20)}
 COUNTS = {"cases": 0, "refused": 0, "exact": 0}
 
 
-def _verdict(pj: dict) -> tuple[str, str]:
-    """('refused', why) or ('exact' | 'WRONG', label) for one tampered plan, in process."""
+def _verdict(pj: dict, src=SRC, dst=DST, full=FULL, world: int = 2) -> tuple[str, str]:
+    """('refused', why) or ('exact' | 'WRONG', label) for one tampered plan of ``src`` -> ``dst`` on
+    ``world`` ranks, in process (also used by test_adversarial_templated)."""
     try:
         plan = Plan.from_json(pj)
     except Exception as e:  # noqa: BLE001
         return "refused", f"from_json: {type(e).__name__}"
-    S = {r: aw.cut(SRC, r, FULL) for r in (0, 1)}
-    D = {r: aw.cut(DST, r, FULL, fill=7) for r in (0, 1)}
+    ranks = range(world)
+    S = {r: aw.cut(src, r, full) for r in ranks}
+    D = {r: aw.cut(dst, r, full, fill=7) for r in ranks}
     with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
-        for r in (0, 1):
+        for r in ranks:
             try:
-                errs = validation.check_binding(plan, r, 2, None, S[r], D[r], None, layouts=(SRC, DST))
+                errs = validation.check_binding(plan, r, world, None, S[r], D[r], None, layouts=(src, dst))
             except Exception as e:  # noqa: BLE001 - the executor reports a crashed check as a refusal too
                 errs = [f"validation failed: {type(e).__name__}: {e}"]
             if errs:
@@ -58,8 +60,8 @@ def _verdict(pj: dict) -> tuple[str, str]:
         plan_mutations.simulate(plan, S, D)
     except Exception as e:  # noqa: BLE001 - an accepted plan that the executor could not apply
         return "WRONG", f"accepted, then failed mid-refit: {type(e).__name__}: {e}"
-    want = {r: aw.cut(DST, r, FULL, fill=0) for r in (0, 1)}
-    ok = all(aw.same_bits(want[r], D[r]) for r in (0, 1)) and all(aw.digest_of(S[r]) == before[r] for r in S)
+    want = {r: aw.cut(dst, r, full, fill=0) for r in ranks}
+    ok = all(aw.same_bits(want[r], D[r]) for r in ranks) and all(aw.digest_of(S[r]) == before[r] for r in S)
     return ("exact", "") if ok else ("WRONG", "accepted, destination differs from the reference")
 
 

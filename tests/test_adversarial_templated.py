@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import copy
 import json
-from unittest import mock
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import adversarial_workers as aw
 import plan_mutations
-from mcore_reshard.core.executor import validation
+from test_adversarial_plans import _verdict as verdict_of
 from mcore_reshard.core.layout import Layout
 from mcore_reshard.core.mesh import Mesh
-from mcore_reshard.core.planner import Plan, TemplatedPlan, make_plan
+from mcore_reshard.core.planner import TemplatedPlan, make_plan
 
 WORLD = 3
 
@@ -109,31 +108,8 @@ def mutate_templated(pj: dict, rnd) -> tuple[str, dict]:
     return f"header.{f}", q
 
 
-def _verdict(pj: dict, SRC=SRC, DST=DST, FULL=FULL, WORLD=WORLD) -> tuple[str, str]:
-    """('refused', why) or ('exact' | 'WRONG', label) for one tampered plan, in process."""
-    try:
-        plan = Plan.from_json(pj)
-    except Exception as e:  # noqa: BLE001
-        return "refused", f"from_json: {type(e).__name__}"
-    ranks = range(WORLD)
-    S = {r: aw.cut(SRC, r, FULL) for r in ranks}
-    D = {r: aw.cut(DST, r, FULL, fill=7) for r in ranks}
-    with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
-        for r in ranks:
-            try:
-                errs = validation.check_binding(plan, r, WORLD, None, S[r], D[r], None, layouts=(SRC, DST))
-            except Exception as e:  # noqa: BLE001 - the executor reports a crashed check as a refusal too
-                errs = [f"validation failed: {type(e).__name__}: {e}"]
-            if errs:
-                return "refused", errs[0]
-    before = {r: aw.digest_of(S[r]) for r in S}
-    try:
-        plan_mutations.simulate(plan, S, D)
-    except Exception as e:  # noqa: BLE001 - an accepted plan that the executor could not apply
-        return "WRONG", f"accepted, then failed mid-refit: {type(e).__name__}: {e}"
-    want = {r: aw.cut(DST, r, FULL, fill=0) for r in ranks}
-    ok = all(aw.same_bits(want[r], D[r]) for r in ranks) and all(aw.digest_of(S[r]) == before[r] for r in S)
-    return ("exact", "") if ok else ("WRONG", "accepted, destination differs from the reference")
+def _verdict(pj: dict, src=SRC, dst=DST, full=FULL, world: int = WORLD) -> tuple[str, str]:
+    return verdict_of(pj, src, dst, full, world)
 
 
 COUNTS = {"cases": 0}
