@@ -322,11 +322,12 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
         done = [k for k in pending if recv_works[k].is_completed()]
         if not done and clock.idle():
             continue
-        for k in done or pending[:1]:
+        batch = done or pending[:1]      # what has arrived, else the next in order (waited for)
+        for k in batch:
             peer, w, pairs, m = recvs[k]
             clock.wait(recv_works[k], f"receiving from rank {peer}")
             unpack(r, i, peer, w, pairs, m, problems, bad_buffers)
-        pending = [k for k in pending if k not in (done or pending[:1])]
+        pending = [k for k in pending if k not in batch]
     while clock.idle():
         pass
     for work, label in send_works:

@@ -77,6 +77,11 @@ def transfer(r, v: int, problems: list[str]) -> dict:
         view.zero_()
     bad_buffers: set = set()
     local = LocalCopies(r, problems, bad_buffers)
+
+    def local_done() -> None:     # the rest of the local copies; their buffers hold ``v`` once done
+        local.drain()
+        stage_end(r, -1, v)
+
     sent = nmsg = 0
     run_round = round_overlapped if r.overlapped() else round_batched
     if r.rounds and any(m.forward for *_, m, _ in r.rounds[0].sends):
@@ -90,19 +95,16 @@ def transfer(r, v: int, problems: list[str]) -> dict:
             run_round(r, v, i, rnd, problems, bad_buffers, background=local.step if i == 0 else None)
         except Exception:
             if i == 0:
-                local.drain()
-                stage_end(r, -1, v)
+                local_done()
             raise
         if i == 0:
-            local.drain()
-            stage_end(r, -1, v)
+            local_done()
         r._dirty = False
         stage_end(r, i, v)
         nmsg += len(rnd.sends)
         sent += sum(b.numel() for _, b, *_ in rnd.sends)
     if not r.rounds:
-        local.drain()
-        stage_end(r, -1, v)
+        local_done()
     changed = sorted(n for n, t in r.src.items() if not torch.equal(checksum(t), src_sums[n])) if r.verify else []
     if changed:
         r._sources_changed = True
