@@ -91,6 +91,28 @@ def test_templated_plans_are_exact_minimal_and_agree_rank_by_rank(case):
     assert _same_messages(loaded.messages, plan.messages)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(layered_cases())
+def test_both_placement_orders_keep_every_guarantee(case):
+    """Largest first and in waves (``_place``'s two orders, each forced): exact, budget, bytes, parts;
+    the default keeps the one with fewer rounds."""
+    from mcore_reshard.core.planner.templates import _place
+    src, dst, budget = case
+    plan = make_plan(src, dst, budget_bytes=budget, templates="always")
+    rounds = {}
+    for waves in (False, True):
+        placement, n = _place(plan.templates, plan.instances, budget, waves=waves)
+        forced = TemplatedPlan(plan.tensors, budget, plan.templates, plan.instances, placement, n)
+        rounds[waves] = forced.rounds
+        check_plan(src, dst, forced)
+        assert validate_plan(forced) == []
+        for r in forced.ranks:
+            part = plan_part(forced, r)
+            assert _same_messages(part.messages, [m for m in forced.messages if r in (m.src, m.dst)])
+            assert validate_plan(part, r) == []
+    assert plan.rounds <= rounds[False] and plan.rounds >= min(rounds.values()) >= _fewest_rounds(plan)
+
+
 def test_layers_of_one_geometry_share_one_template_and_rounds_interleave():
     """Four layers of tp=2 -> tp=1 (disaggregated), two pipeline stages: one template, four
     instances; the stages' rounds share global rounds (their source ranks differ)."""
@@ -103,12 +125,15 @@ def test_layers_of_one_geometry_share_one_template_and_rounds_interleave():
     plan = make_plan(src, dst, budget_bytes=4096)
     assert isinstance(plan, TemplatedPlan)
     assert (plan.stats["templates"], plan.stats["instances"]) == (1, 4)
-    # a layer: 2 copies of 32x16 fp32 = 2048 B each into rank 4 (4096 B of staging per round):
-    # one layer per round on rank 4, so 4 rounds, the lower bound
+    # a layer: 2 messages of 32x16 fp32 = 2048 B each into rank 4 (4096 B of staging per round):
+    # 8 such messages, two per round on rank 4, so 4 rounds, the lower bound; messages are placed
+    # one by one (largest first, ties by (src, dst)): a round takes one source rank's two layers,
+    # merged into one message of 4096 B
     assert plan.rounds == 4 and plan.stats["max_stage_bytes"] == 4096
     assert plan.stats["network_bytes"] == 4 * 64 * 16 * 4
-    assert sorted((m.src, m.dst) for m in plan.messages) == [(0, 4), (0, 4), (1, 4), (1, 4), (2, 4), (2, 4),
-                                                             (3, 4), (3, 4)]
+    assert sorted((m.round, m.src, m.dst, m.nbytes, len(m.entries)) for m in plan.messages) == [
+        (0, 0, 4, 4096, 2), (1, 1, 4, 4096, 2), (2, 2, 4, 4096, 2), (3, 3, 4, 4096, 2)]
+    assert plan.stats["messages"] == 4
     check_plan(src, dst, plan)
 
 

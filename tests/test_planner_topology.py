@@ -194,10 +194,12 @@ def test_topology_forms_and_errors():
         make_plan(src, dst, topology=[0, 0, 1, 1])
 
 
-# digests of flat plans computed with the planner before topology existed (commit efd00c0)
+# digests of flat plans computed with the planner before topology existed (commit efd00c0); "layers"
+# (a templated plan) re-taken when templated plans began to place messages, not template rounds
+# (templated plan format 3)
 FLAT_DIGESTS = {
     "replicated": "89d699c9a1cb615f6378817c7304acbcd22e12f2aca1685205572a8d431ae278",
-    "layers": "328cf3f1a2063f4675009b5d0d639afc37665dd66d1578212efa20461c5d3de1",
+    "layers": "c0052b2e76498726bbfd02171203e4706a61bbe61819a2150dfe4ab895ef77ec",
     "layers_split": "b1e50b6ad36d40bebf4a6bbc317920dddd44e009276c1490c1577ac01a40acd1",
 }
 

@@ -56,10 +56,10 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     ``templates``: where layers repeat one geometry (``layers.<n>.`` names), plan each distinct
     geometry once and return a :class:`~.templates.TemplatedPlan` (same interface, copies made on
     first use, one rank's part without the others') -- unless its rounds exceed
-    ``ROUND_SLACK`` x the fewest possible (the busiest rank's bytes / budget), as happens where
-    the layers of different pipeline stages cannot share a template (colocated placements): then
-    the copy-by-copy plan, whose rounds are near that bound.  ``"always"``: the templated plan
-    whatever its rounds; False: always the copy-by-copy plan.
+    ``ROUND_SLACK`` x the fewest possible (the busiest rank's bytes / budget): then the
+    copy-by-copy plan.  (The templated plan places every instance's messages one by one, so its
+    rounds are near that bound on every full-size configuration measured: BENCHMARKS.md A.1.1.)
+    ``"always"``: the templated plan whatever its rounds; False: always the copy-by-copy plan.
 
     ``topology`` (:class:`~.topology.Topology`, a domain size, a rank -> domain list, or a
     :class:`mcore_reshard.tools.costmodel.Topology`): plan in two levels (NVLink domain / NIC, see

@@ -6,6 +6,72 @@ from operator import itemgetter
 
 from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
 
+class RoundFill:
+    """First fit under a per-rank budget: each rank's staged bytes per round, and items placed in the
+    lowest round where both their ranks have room (:meth:`place`).
+
+    Per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
+    k < len(used) with used[k] <= lim for the lim it was last computed for; the lowest round with
+    room for both ranks is the lowest bit of the two masks' AND, each extended with ones past its
+    end.  A mask is recomputed only when lim falls or reaches the least usage among the rounds it
+    leaves out (usage only grows, so that least usage, kept as a lower bound, never misses a round
+    that gained room): items largest first (lim only grows) recompute least."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.used: dict[int, list[int]] = {}
+        self.masks: dict[int, list] = {}        # rank -> [lim, mask, least usage of a left-out round]
+        self.rounds = 0
+
+    def _state(self, r: int) -> tuple[list[int], list]:
+        u = self.used.get(r)
+        if u is None:
+            u = self.used[r] = []
+            self.masks[r] = [None, 0, float("inf")]
+        return u, self.masks[r]
+
+    def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
+        """Up to ``count`` items of ``n`` (aligned) bytes from rank ``s`` to rank ``d``, each to the
+        lowest round where both ranks have room: all in that round, as many as fit there (lower
+        rounds never regain room, so one at a time would land the same).  Returns (round, placed)."""
+        budget = self.budget
+        lim = budget - n
+        used, masks = self.used, self.masks
+        us, ud = used.get(s), used.get(d)
+        if us is None:
+            us, ms = self._state(s)
+        else:
+            ms = masks[s]
+        if ud is None:
+            ud, md = self._state(d)
+        else:
+            md = masks[d]
+        both = -1
+        for u, m in ((us, ms), (ud, md)):
+            if m[0] != lim:
+                down = m[0] is None or lim < m[0]
+                m[0] = lim
+                if down or lim >= m[2]:
+                    m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+                    m[2] = min((x for x in u if x > lim), default=float("inf"))
+            both &= m[1] | (-1 << len(u))
+        k = (both & -both).bit_length() - 1
+        cnt = min((budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)) // n, count)
+        add_n = cnt * n
+        for u, m in ((us, ms), (ud, md)):
+            if len(u) <= k:             # new rounds start empty: room in every one of them
+                m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
+                u.extend([0] * (k + 1 - len(u)))
+            x = u[k] = u[k] + add_n
+            if x > lim:
+                m[1] &= ~(1 << k)
+                if x < m[2]:
+                    m[2] = x
+        if k >= self.rounds:
+            self.rounds = k + 1
+        return k, cnt
+
+
 def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
@@ -22,32 +88,8 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
     copy, each first-fit from the round after the one its carrier's own copy landed in; they
     make messages of their own (``Message.forward``)."""
-    # per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
-    # k < len(used) with used[k] <= lim for the lim it was last computed for; a copy goes to the
-    # lowest round where both its ranks have room: the lowest bit of the two masks' AND, each
-    # extended with ones past its end.  Copies come largest first, so lim only grows; a mask is
-    # recomputed only when lim reaches the least usage among the rounds it leaves out (usage only
-    # grows, so that least usage, kept as a lower bound, never misses a round that gained room).
-    used: dict[int, list[int]] = {}
-    masks: dict[int, list] = {}         # rank -> [lim, mask, least usage of a left-out round]
+    fill = RoundFill(budget)
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
-    rounds = 0
-    inf = float("inf")
-
-    def mask_of(r: int, lim: int) -> int:
-        u = used.get(r)
-        if u is None:
-            u = used[r] = []
-        m = masks.get(r)
-        if m is None:
-            m = masks[r] = [lim, 0, inf]
-        elif m[0] != lim:
-            m[0] = lim
-            if lim >= m[2]:
-                m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
-                m[2] = min((x for x in u if x > lim), default=inf)
-        return m[1] | (-1 << len(u))
-
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
     # the lowest round where both ranks have room until one of them is full, then the next such
     # round (lower rounds never regain room), so a run is placed round by round, as many at once
@@ -62,28 +104,11 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
         while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
             end += 1
         n = (-key0 + ALIGN - 1) // ALIGN * ALIGN
-        lim = budget - n
         while j < end:
-            both = mask_of(s, lim) & mask_of(d, lim)
-            k = (both & -both).bit_length() - 1
-            us, ud = used[s], used[d]
-            room = budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)
-            cnt = min(room // n, end - j)
-            add_n = cnt * n
-            for r, u in ((s, us), (d, ud)):
-                m = masks[r]
-                if len(u) <= k:             # new rounds start empty: room in every one of them
-                    m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
-                    u.extend([0] * (k + 1 - len(u)))
-                u[k] += add_n
-                if u[k] > lim:
-                    m[1] &= ~(1 << k)
-                    if u[k] < m[2]:
-                        m[2] = u[k]
-            if k >= rounds:
-                rounds = k + 1
+            k, cnt = fill.place(s, d, n, end - j)
             placed[(k, s, d)].extend(srt[j:j + cnt])
             j += cnt
+    used, rounds = fill.used, fill.rounds
     if forwards:
         rounds = max(rounds, _place_forwards(forwards, budget, used, placed))
     messages = []
