@@ -113,6 +113,27 @@ def test_both_placement_orders_keep_every_guarantee(case):
     assert plan.rounds <= rounds[False] and plan.rounds >= min(rounds.values()) >= _fewest_rounds(plan)
 
 
+def test_pipeline_stages_share_rounds_message_by_message():
+    """Four pipeline stages of four layers (tp=2 on their own ranks) -> every layer replicated on 4
+    ranks: every source rank sends, every destination rank receives about as much.  Whole template
+    rounds placed as units needed 32 rounds here (fewest possible 22); messages placed one by one,
+    largest first, 27; in waves 23, the one kept."""
+    from mcore_reshard.core.mesh import Mesh
+    from mcore_reshard.core.planner.templates import _place
+    src, dst = Layout(), Layout()
+    for n in range(16):
+        for t, shape in (("a", (64, 32)), ("b", (32, 64))):
+            src.add_sharded(f"model.layers.{n}.{t}", shape, "float32", Mesh.of({"tp": 2}, 2 * (n // 4)), [("tp", 0)])
+            dst.add_sharded(f"model.layers.{n}.{t}", shape, "float32", Mesh.of({"dp": 4}, 8))
+    budget = 12288
+    plan = make_plan(src, dst, budget_bytes=budget)
+    assert isinstance(plan, TemplatedPlan) and plan.stats["templates"] == 1 and plan.stats["instances"] == 16
+    assert (plan.rounds, _fewest_rounds(plan)) == (23, 22)
+    assert [_place(plan.templates, plan.instances, budget, waves=w)[1] for w in (False, True)] == [27, 23]
+    assert plan.stats["max_stage_bytes"] <= budget
+    check_plan(src, dst, plan)
+
+
 def test_layers_of_one_geometry_share_one_template_and_rounds_interleave():
     """Four layers of tp=2 -> tp=1 (disaggregated), two pipeline stages: one template, four
     instances; the stages' rounds share global rounds (their source ranks differ)."""

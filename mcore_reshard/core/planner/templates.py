@@ -271,52 +271,86 @@ def _place(templates: list[_Template], instances: list, budget: int,
     (each template round loads some ranks most: its first fit fills the lowest ranks first);
     ``nccl_m2n`` 90, ``nemo_rl_ep`` 58.  The placement with fewer rounds is kept (ties: the first).
     ``waves`` True / False: that order only (tests)."""
-    items = []
+    # an item is one int, (budget - bytes, src, dst, instance, message) packed most significant
+    # first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
+    top = max((r for _, _, ranks in instances for r in ranks), default=0)
+    bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, budget)
     most: dict[int, int] = defaultdict(int)       # rank -> bytes it stages in all
+    items: list[int] = []
+    sn, ss, sd, si = bits.n, bits.s, bits.d, bits.i
     for i, (tid, _, ranks) in enumerate(instances):
         t = templates[tid]
-        items.extend([(-n, ranks[s], ranks[d], i, q) for q, (s, d, n) in enumerate(t.pairs)])
+        base = i << si
+        items.extend([((budget - n) << sn) | (ranks[s] << ss) | (ranks[d] << sd) | base | q
+                      for q, (s, d, n) in enumerate(t.pairs)])
         for j, v in t.staged.items():
             most[ranks[j]] += v
-    items.sort()
     lengths = [len(templates[tid].pairs) for tid, _, _ in instances]
-    placement, rounds = _first_fit(items, lengths, budget) if waves is not True else (None, float("inf"))
+    placement, rounds = None, float("inf")
+    if waves is not True:
+        items.sort()
+        placement, rounds = _first_fit(items, lengths, budget, bits)
     fewest = -(-max(most.values(), default=0) // budget)
     if waves or (waves is None and rounds > WAVE_SLACK * fewest):
-        waves = []
-        for i, (tid, _, ranks) in enumerate(instances):
-            t = templates[tid]
-            nr = t.plan.rounds
-            waves.extend([((k + i) % nr, -n, ranks[s], ranks[d], i, q)
-                          for q, ((s, d, n), k) in enumerate(zip(t.pairs, t.round_of))])
-        waves.sort()
-        wp, wr = _first_fit([w[1:] for w in waves], lengths, budget)
+        items = _with_waves(items, templates, instances, bits)
+        items.sort()
+        wp, wr = _first_fit(items, lengths, budget, bits)
         if wr < rounds:
             placement, rounds = wp, wr
     return placement, rounds
 
 
-def _first_fit(items: list[tuple], lengths: list[int], budget: int) -> tuple[list[list[int]], int]:
-    """``items`` (-bytes, src, dst, instance, message), in order, each to the lowest round where both
-    its ranks have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``:
-    each instance's number of messages."""
+class _Bits:
+    """Bit offsets of the fields of a packed placement item (message, instance, dst, src, budget -
+    bytes, wave: least significant first)."""
+
+    def __init__(self, messages: int, instances: int, top_rank: int, budget: int):
+        self.i = max(1, messages.bit_length())
+        rb = max(1, top_rank.bit_length())
+        self.d = self.i + max(1, instances.bit_length())
+        self.s = self.d + rb
+        self.n = self.s + rb
+        self.w = self.n + budget.bit_length() + 1
+        self.qmask, self.imask, self.rmask = (1 << self.i) - 1, (1 << (self.d - self.i)) - 1, (1 << rb) - 1
+
+
+def _with_waves(items: list[int], templates: list[_Template], instances: list, bits: _Bits) -> list[int]:
+    """The items with their wave, (template round + instance) mod the template's rounds, on top."""
+    si, sw, qm, im = bits.i, bits.w, bits.qmask, bits.imask
+    out = []
+    for x in items:
+        i, q = (x >> si) & im, x & qm
+        t = templates[instances[i][0]]
+        out.append((((t.round_of[q] + i) % t.plan.rounds) << sw) | x)
+    return out
+
+
+def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits) -> tuple[list[list[int]], int]:
+    """Packed ``items`` (:class:`_Bits`), in order, each to the lowest round where both its ranks
+    have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``: each
+    instance's number of messages."""
     placement = [[0] * n for n in lengths]
     fill = RoundFill(budget)
     place = fill.place
+    sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
+    nmask = (1 << (bits.w - bits.n)) - 1
+    rm, im, qm = bits.rmask, bits.imask, bits.qmask
     j, total = 0, len(items)
     while j < total:
-        neg, s, d, i, q = items[j]
+        x = items[j]
+        head = x >> sd                 # (wave,) bytes, src, dst: a run shares it
         end = j + 1
-        while end < total and items[end][0] == neg and items[end][1] == s and items[end][2] == d:
+        while end < total and items[end] >> sd == head:
             end += 1
+        s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
         if end == j + 1:                # the common case: a run of one
-            placement[i][q] = place(s, d, -neg, 1)[0]
+            placement[(x >> si) & im][x & qm] = place(s, d, n, 1)[0]
             j = end
             continue
         while j < end:
-            k, cnt = place(s, d, -neg, end - j)
-            for _, _, _, i, q in items[j:j + cnt]:
-                placement[i][q] = k
+            k, cnt = place(s, d, n, end - j)
+            for y in items[j:j + cnt]:
+                placement[(y >> si) & im][y & qm] = k
             j += cnt
     return placement, fill.rounds
 
