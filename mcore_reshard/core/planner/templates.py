@@ -454,52 +454,7 @@ class TemplatedPlan(Plan):
 
     def _messages(self, rank: int | None) -> list[Message]:
         """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
-        insts, tps, pl = self.instances, self.templates, self.placement
-        keys = []
-        for i, inst in enumerate(insts):
-            t = tps[inst[0]]
-            if rank is None:
-                qs = range(len(t.msgs))
-            else:
-                j = self._index_in(inst, rank)
-                if not j:
-                    continue
-                qs = t.of_index.get(j[0], ())
-            gi = pl[i]
-            keys.extend((gi[q], i, q) for q in qs)
-        keys.sort()
-        # every message of a pair with ``rank`` at one end involves ``rank``, and items merge in
-        # (instance, message) order: the offsets of a merged message are the same in a part as in
-        # the whole plan
-        out: list[Message] = []
-        merged: dict[tuple[int, int], list] = {}
-
-        def flush(g: int) -> None:
-            for (s, d), (nbytes, entries) in sorted(merged.items()):
-                msg = _new(Message)
-                _setattr(msg, "__dict__", {"round": g, "src": s, "dst": d, "nbytes": nbytes, "entries": tuple(entries)})
-                out.append(msg)
-            merged.clear()
-
-        cur = None
-        for g, i, q in keys:
-            if g != cur:
-                if cur is not None:
-                    flush(cur)
-                cur = g
-            inst = insts[i]
-            ranks = inst[2]
-            m = tps[inst[0]].msgs[q]
-            key = (ranks[m.src], ranks[m.dst])
-            e = merged.get(key)
-            if e is None:
-                e = merged[key] = [0, []]
-            base = e[0]
-            e[1].extend(self._copy(c, inst, base + c.offset) for c in m.entries)
-            e[0] = base + m.nbytes
-        if cur is not None:
-            flush(cur)
-        return out
+        return _templated_messages(self, rank)
 
     def _index_in(self, inst: tuple, rank: int | None):
         """Rank indices of ``inst`` to make: all, or the one of ``rank`` (none when it is not in it)."""
@@ -527,6 +482,56 @@ class TemplatedPlan(Plan):
                 out.extend((ranks[j], self.name(b, nd), box) for b, box in t.pad_of.get(j, ()))
         out.sort(key=lambda x: (x[0], x[1]))
         return out
+
+def _templated_messages(self: "TemplatedPlan", rank: int | None) -> list[Message]:
+    """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
+    insts, tps, pl = self.instances, self.templates, self.placement
+    keys = []
+    for i, inst in enumerate(insts):
+        t = tps[inst[0]]
+        if rank is None:
+            qs = range(len(t.msgs))
+        else:
+            j = self._index_in(inst, rank)
+            if not j:
+                continue
+            qs = t.of_index.get(j[0], ())
+        gi = pl[i]
+        keys.extend((gi[q], i, q) for q in qs)
+    keys.sort()
+    # every message of a pair with ``rank`` at one end involves ``rank``, and items merge in
+    # (instance, message) order: the offsets of a merged message are the same in a part as in
+    # the whole plan
+    out: list[Message] = []
+    merged: dict[tuple[int, int], list] = {}
+
+    def flush(g: int) -> None:
+        for (s, d), (nbytes, entries) in sorted(merged.items()):
+            msg = _new(Message)
+            _setattr(msg, "__dict__", {"round": g, "src": s, "dst": d, "nbytes": nbytes, "entries": tuple(entries)})
+            out.append(msg)
+        merged.clear()
+
+    cur = None
+    for g, i, q in keys:
+        if g != cur:
+            if cur is not None:
+                flush(cur)
+            cur = g
+        inst = insts[i]
+        ranks = inst[2]
+        m = tps[inst[0]].msgs[q]
+        key = (ranks[m.src], ranks[m.dst])
+        e = merged.get(key)
+        if e is None:
+            e = merged[key] = [0, []]
+        base = e[0]
+        e[1].extend(self._copy(c, inst, base + c.offset) for c in m.entries)
+        e[0] = base + m.nbytes
+    if cur is not None:
+        flush(cur)
+    return out
+
 
 def _templated_buffers(self: "TemplatedPlan", wanted: set[int] | None) -> dict:
     """``buffers`` of a templated plan: every rank's (``wanted`` None) or those of ``wanted``."""
