@@ -51,6 +51,7 @@ from typing import Mapping, Sequence
 from ..core.layout import Buffer, Layout, itemsize
 from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, make_plan
 from ..core.planner.index import _source_index
+from ..core.planner.plan import paused_gc
 from .groups import Fp8Group, _make_groups, _split_names
 from .layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
 from .regions import Region, _nbytes, plan_regions, restrict
@@ -84,6 +85,7 @@ class Fp8Plan:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @property
+    @paused_gc()
     def hash(self) -> str:
         """sha256 over the block, the regions, the temporaries and every sub-plan's own hash."""
         obj = {"version": FP8_PLAN_VERSION, "block": list(self.block), "quantized": self.quantized,
@@ -117,6 +119,7 @@ def quantized_tensors(layout: Layout, family: str = "deepseek_v3", block: Sequen
     return load_family(family).fp8_rules().quantized(layout.tensors.values(), block)
 
 
+@paused_gc()
 def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_bytes: int = DEFAULT_BUDGET,
                   memory_bytes: int | None = None, allow_cast: bool = False, ignore_unused: bool = False,
                   compare_bf16: bool = True) -> Fp8Plan:
