@@ -59,22 +59,35 @@ def split_layers(src: Layout, dst: Layout, quantized: set[str], rest_names: set[
             L[5][t] = t if k is None else t.replace(*L[4])
     rest_src = Layout({n: m for n, m in src.tensors.items() if n in rest_names}, {})
     rest_dst = Layout({n: m for n, m in dst.tensors.items() if n in rest_names}, {})
+    get = layer_of.get
     for li, lay, rest in ((1, src, rest_src), (2, dst, rest_dst)):
         for r in lay.ranks:
             mine_rest: dict = {}
+            slots: dict = {}        # layer -> (its buffers on rank r, its form's append, mark, canonical names)
+
+            def slot(k):
+                L = layers[k]
+                bufs = L[li].buffers[r] = {}
+                add = None
+                if k is not None:
+                    add = L[3].append
+                    add(r)
+                got = slots[k] = (bufs, add, L[4][0] if L[4] else None, L[4][1] if L[4] else None, L[5])
+                return got
             for bname, buf in lay.buffers[r].items():
                 ps = buf.pieces
                 if len(ps) == 1:                # most buffers: one piece
                     p = ps[0]
-                    k = layer_of.get(p.tensor, _NONE)
+                    k = get(p.tensor, _NONE)
                     if k is _REST:
                         mine_rest[bname] = buf
                     elif k is not _NONE:
-                        L = layers[k]
-                        L[li].buffers.setdefault(r, {})[bname] = buf
-                        if k is not None:
-                            L[3].append((r, bname.replace(*L[4]), buf.shape, buf.dtype, L[5][p.tensor],
-                                         p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes))
+                        bufs, add, a, b, canon = slots.get(k) or slot(k)
+                        bufs[bname] = buf
+                        if add is not None:
+                            x, y = p.box, p.local
+                            add((bname.replace(a, b), buf.shape, buf.dtype, canon[p.tensor], x.offsets, x.sizes,
+                                 y.offsets, y.sizes))
                     continue
                 if not ps:
                     if li == 2:
@@ -82,7 +95,7 @@ def split_layers(src: Layout, dst: Layout, quantized: set[str], rest_names: set[
                     continue
                 bins: dict = {}
                 for p in ps:
-                    bins.setdefault(layer_of.get(p.tensor, _NONE), []).append(p)
+                    bins.setdefault(get(p.tensor, _NONE), []).append(p)
                 bins.pop(_NONE, None)
                 if li == 2 and len(bins) > 1:
                     if _REST in bins:
@@ -95,14 +108,16 @@ def split_layers(src: Layout, dst: Layout, quantized: set[str], rest_names: set[
                     if k is _REST:
                         mine_rest[bname] = part
                         continue
-                    L = layers[k]
-                    L[li].buffers.setdefault(r, {})[bname] = part
-                    if k is not None:
-                        L[3].append((r, bname.replace(*L[4]), buf.shape, buf.dtype,
-                                     tuple((L[5][p.tensor], p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes)
-                                           for p in mine)))
+                    bufs, add, a, b, canon = slots.get(k) or slot(k)
+                    bufs[bname] = part
+                    if add is not None:
+                        add((bname.replace(a, b), buf.shape, buf.dtype,
+                             tuple((canon[p.tensor], p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes)
+                                   for p in mine)))
             if mine_rest:
                 rest.buffers[r] = mine_rest
+        for L in layers.values():
+            L[3].append(None)               # the end of a side
     out = {}
     for k, (names, lsrc, ldst, items, _, canon) in layers.items():
         form = None
