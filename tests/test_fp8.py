@@ -419,7 +419,7 @@ _LAYOUTS = [
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=st.sampled_from(_LAYOUTS), memory=st.integers(8 << 10, 1 << 20), half=st.integers(1, 3))
+@given(case=st.sampled_from(_LAYOUTS), memory=st.integers(16 << 10, 1 << 20), half=st.integers(1, 3))
 def test_shared_layers_property(case, memory, half):
     """Any layout, memory budget and depth: the shared plan equals every layer planned alone."""
     src_sizes, target, block = case

@@ -24,6 +24,11 @@ block rows, and a destination buffer is then written slab by slab (dim-0 views) 
 Every group is planned on its own, and one arena per rank (the largest group, <= ``memory_bytes``)
 holds the temporaries of every group in turn.  A unit that cannot fit raises :class:`PlanError`.
 
+Layers are planned apart (a group never spans two layers), and layers with the same geometry up to
+the layer number in the names share one plan (:mod:`.shared`): the first is planned, the others are
+its groups renamed, made on first use.  The 671B Megatron TP8 -> vLLM TP8 plan has 2 templates
+(the dense layers, the MoE layers with MTP's) for 61 layers.
+
 Example, ``[40, 32]`` bf16, block 16, source tp=2 over rows on ranks 0-1 (rows 0:20 | 20:40),
 destination whole on rank 2::
 
@@ -34,10 +39,11 @@ destination whole on rank 2::
     32:40      | rank 1             | 1     | ragged last block, in place
     stage B: 40x32 e4m3 (1280 B) + 3x2 fp32 scales (24 B) to rank 2, against 2560 B in BF16.
 
-The plan is plain data (JSON, never pickle) with one combined sha256 :attr:`Fp8Plan.hash`.
+The plan is plain data (JSON, never pickle: the compact form, templates + instances) with one
+combined sha256 :attr:`Fp8Plan.hash` of that form.
 
 Modules: :mod:`.regions` (block ownership, temporaries), :mod:`.groups` (groups under the memory
-budget, their sub-plans), this one (the plan, its JSON and hash, stats, :func:`make_fp8_plan`).
+budget, their sub-plans), :mod:`.shared` (layers split, canonical forms, renamed instances), this one (the plan, its JSON and hash, stats, :func:`make_fp8_plan`).
 """
 from __future__ import annotations
 

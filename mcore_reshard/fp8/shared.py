@@ -190,6 +190,13 @@ class LayerGroups(Sequence):
     def __len__(self) -> int:
         return self.total
 
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, LayerGroups):
+            return NotImplemented
+        return self.templates == other.templates and self.instances == other.instances
+
+    __hash__ = None                                  # mutable, like the list it stands for
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self.total))]
