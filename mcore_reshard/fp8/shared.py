@@ -93,10 +93,16 @@ def split_layers(src: Layout, dst: Layout, quantized: set[str], rest_names: set[
                     if li == 2:
                         mine_rest[bname] = buf
                     continue
-                bins: dict = {}
+                k = get(ps[0].tensor, _NONE)
                 for p in ps:
-                    bins.setdefault(get(p.tensor, _NONE), []).append(p)
-                bins.pop(_NONE, None)
+                    if get(p.tensor, _NONE) is not k:
+                        bins: dict = {}
+                        for p in ps:
+                            bins.setdefault(get(p.tensor, _NONE), []).append(p)
+                        bins.pop(_NONE, None)
+                        break
+                else:                           # all of one layer (Megatron's [gate; up] halves), or the rest
+                    bins = {} if k is _NONE else {k: ps}
                 if li == 2 and len(bins) > 1:
                     if _REST in bins:
                         other = next(p.tensor for p in ps if layer_of[p.tensor] is not _REST)
