@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 from ..core.layout import Buffer, Layout
 from ..core.planner import Message, Plan, PlanError
-from ..core.planner.plan import _copy
+from ..core.planner.plan import _copy, paused_gc
 from ..core.planner.templates import MARK, _number
 from .groups import Fp8Group
 from .layout import scale_name
@@ -170,6 +170,7 @@ def rename_plan(p: Plan, f) -> Plan:
                 p.budget_bytes, p.rounds, stats)
 
 
+@paused_gc()
 def rename_group(g: Fp8Group, m: int, n: int) -> Fp8Group:
     """Group ``g`` of layer ``m`` as the same group of layer ``n``."""
     f = _Rename(m, n)
@@ -223,7 +224,11 @@ class LayerGroups(Sequence):
         return got
 
     def __iter__(self) -> Iterator[Fp8Group]:
-        return (self[i] for i in range(self.total))
+        if len(self._made) < self.total:
+            with paused_gc():               # every group made in one go (the executor binds them all)
+                for i in range(self.total):
+                    self[i]
+        return (self._made[i] for i in range(self.total))
 
     def counted(self) -> Iterator[tuple[Fp8Group, int]]:
         """(template group, number of instances): what the plan's totals need, without renaming."""
