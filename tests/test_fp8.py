@@ -429,3 +429,43 @@ def test_shared_layers_property(case, memory, half):
     assert plan.stats["instances"] == layers and plan.stats["templates"] <= layers
     if layers > 2 and "pp" not in src_sizes:
         assert plan.stats["templates"] == 2                      # the dense layer and one MoE layer
+
+
+def test_a_buffer_of_two_layers_plans_them_together_and_mixed_buffers_are_refused():
+    """A destination buffer fusing the quantized tensors of two layers: no per-layer split (one
+    sub-problem, planned as a whole); a buffer holding a quantized and an unquantized tensor is
+    refused naming both, before anything is planned."""
+    from mcore_reshard.core.planner import PlanError
+    names = ["model.layers.0.w.weight", "model.layers.1.w.weight"]
+    src, dst = Layout(), Layout()
+    for i, n in enumerate(names):
+        src.add_tensor(n, (32, 16), "bfloat16")
+        dst.add_tensor(n, (32, 16), "bfloat16")
+        src.add_buffer(i, Buffer(n, (32, 16), "bfloat16", (Piece(n, Box.full((32, 16)), Box.full((32, 16))),)))
+    dst.add_buffer(2, Buffer("fused", (64, 16), "bfloat16",
+                             tuple(Piece(n, Box.full((32, 16)), Box((32 * i, 0), (32, 16))) for i, n in enumerate(names))))
+    plan = make_fp8_plan(src, fp8_target(dst, set(names), (16, 16)), (16, 16))
+    assert (plan.stats["templates"], plan.stats["instances"]) == (1, 1) and plan.groups.instances == [(0, None, None)]
+    _owned_once(plan, src)
+    assert plan.stats["fp8_weight_network_bytes"] == 2 * 32 * 16 and plan.stats["fp8_scale_network_bytes"] == 2 * 2 * 4
+    assert sorted(plan.stats["quantized_elements"].items()) == [("0", 512), ("1", 512)]
+    # the same two tensors in buffers of their own: two layers of one geometry?  No: they sit on
+    # different source ranks, so two templates
+    dst2 = Layout(dict(dst.tensors), {})
+    for n in names:
+        dst2.add_buffer(2, Buffer(n, (32, 16), "bfloat16", (Piece(n, Box.full((32, 16)), Box.full((32, 16))),)))
+    plan2 = make_fp8_plan(src, fp8_target(dst2, set(names), (16, 16)), (16, 16))
+    assert (plan2.stats["templates"], plan2.stats["instances"]) == (2, 2)
+    assert plan2.stats["network_bytes"] == plan.stats["network_bytes"]
+    # a quantized and an unquantized tensor in one destination buffer
+    g = "model.layers.0.g.weight"
+    src.add_tensor(g, (16, 16), "bfloat16")
+    src.add_buffer(0, Buffer(g, (16, 16), "bfloat16", (Piece(g, Box.full((16, 16)), Box.full((16, 16))),)))
+    dst2.add_tensor(g, (16, 16), "bfloat16")
+    dst2.add_buffer(2, Buffer(g, (16, 16), "bfloat16", (Piece(g, Box.full((16, 16)), Box.full((16, 16))),)))
+    fp8 = fp8_target(dst2, set(names), (16, 16))          # (fp8_target itself refuses such a buffer)
+    del fp8.buffers[2][names[0]], fp8.buffers[2][g]
+    fp8.buffers[2]["mixed"] = Buffer("mixed", (48, 16), "float8_e4m3fn", (
+        Piece(names[0], Box.full((32, 16)), Box((0, 0), (32, 16))), Piece(g, Box.full((16, 16)), Box((32, 0), (16, 16)))))
+    with pytest.raises(PlanError, match=rf"rank 2 buffer mixed holds {g} and {names[0]}, planned apart"):
+        make_fp8_plan(src, fp8, (16, 16))
