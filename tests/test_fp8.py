@@ -10,6 +10,7 @@ from math import prod
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mcore_reshard.core.box import Box
 from mcore_reshard.mapper.family import load_family
@@ -344,3 +345,127 @@ def test_state_of_a_buffer_written_by_several_groups():
     st = r.state()
     assert st["buffers"] == {"norm": 4, "s": None, "w": None} and st["incomplete"] == ["s", "w"]
     assert st["interrupted"] and st["interrupted_version"] == 4 and st["version"] == 3
+
+
+# ----------------------------------------------------------------------------------- shared layers
+
+def _layered(src_sizes: dict, target: dict, block: int, layers: int = 6):
+    from mcore_reshard.targets import dsv3_tiny
+    cfg = dsv3_tiny(num_nextn_predict_layers=0).with_(num_hidden_layers=layers)
+    src = megatron_layout(cfg, ParallelSizes(**src_sizes), dtype="bfloat16")
+    return src, _fp8(vllm_layout(cfg, **target), (block, block))
+
+
+def _alone(src, dst, plan: Fp8Plan, memory: int):
+    """Every layer planned on its own, from ``restrict`` of the whole layouts (not the shared
+    planner's one-pass split): [(layer number, its groups)] in the plan's order."""
+    from mcore_reshard.fp8.groups import _make_groups
+    from mcore_reshard.fp8.layout import scale_name
+    from mcore_reshard.fp8.regions import plan_regions, restrict
+    from mcore_reshard.core.planner.templates import _number
+    out = []
+    for _, _, k in plan.groups.instances:
+        names = sorted(n for n in plan.quantized if _number(n) == k)
+        lsrc = restrict(src, set(names))
+        ldst = restrict(dst, set(names) | {scale_name(n) for n in names})
+        regions = plan_regions(lsrc, names, plan.block, ldst)
+        out.append((k, _make_groups(lsrc, ldst, plan.block, set(names), regions, memory, 1 << 20)))
+    return out
+
+
+def _check_shared(src, dst, block: int, memory: int):
+    plan = make_fp8_plan(src, dst, (block, block), budget_bytes=1 << 20, memory_bytes=memory, allow_cast=True,
+                         ignore_unused=True)
+    alone = _alone(src, dst, plan, memory)
+    got = list(plan.groups)
+    want = [g for _, gs in alone for g in gs]
+    assert len(got) == len(want) == plan.stats["groups"]
+    for i, (g, w) in enumerate(zip(got, want)):         # entry by entry: regions, temporaries, views, sub-plans
+        gj, wj = g.to_json(), w.to_json()
+        for key in ("tensors", "regions", "temp", "views", "assembly", "stage_b"):
+            assert json.dumps(gj[key], sort_keys=True) == json.dumps(wj[key], sort_keys=True), (i, key, g.tensors)
+        assert g.stage_b.hash == w.stage_b.hash
+    # totals from the templates x instances equal those of the layers planned alone
+    net = plan.rest.stats["network_bytes"] + sum(
+        (w.assembly.stats["network_bytes"] if w.assembly else 0) + w.stage_b.stats["network_bytes"] for w in want)
+    assert plan.stats["network_bytes"] == net
+    assert plan.stats["regions"] == sum(len(w.regions) for w in want)
+    _owned_once(plan, src)
+    again = Fp8Plan.from_json(json.loads(plan.dumps()))
+    assert again.hash == plan.hash and [g.to_json() for g in again.groups] == [g.to_json() for g in got]
+    return plan
+
+
+def test_shared_layers_equal_layers_planned_alone():
+    """6 layers (1 dense + 5 MoE), Megatron TP2 -> vLLM TP2 on other ranks: 2 templates, 6 instances,
+    the 4 renamed MoE layers equal to each planned alone; a memory budget that splits tensors too."""
+    src, dst = _layered({"tp": 2}, {"tp": 2, "rank_offset": 2}, 16)
+    plan = _check_shared(src, dst, 16, 1 << 20)
+    assert (plan.stats["templates"], plan.stats["instances"]) == (2, 6)
+    assert [x[1:] for x in plan.groups.instances] == [(0, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5)]
+    # kv_a_proj_with_mqa [24, 64], TP2 rows 0:12 | 12:24, block 16: 4 rows x 64 x 2 B assembled per layer
+    assert plan.stats["assembly_network_bytes"] == 6 * 4 * 64 * 2
+    small = _check_shared(src, dst, 16, 8 << 10)
+    assert small.stats["split_tensors"] > 0 and small.stats["groups"] > plan.stats["groups"]
+    assert max(small.arena.values()) <= 8 << 10
+
+
+_LAYOUTS = [
+    ({"tp": 2}, {"tp": 2, "rank_offset": 2}, 16),
+    ({"tp": 2, "pp": 2}, {"tp": 2}, 16),                           # PP: each stage's layers their own template
+    ({"tp": 2, "ep": 2, "dp": 2}, {"tp": 1, "dp": 2, "enable_expert_parallel": True, "rank_offset": 2}, 32),
+    ({"tp": 1, "dp": 2}, {"tp": 2, "rank_offset": 2}, 16),         # replicas split the work
+]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(_LAYOUTS), memory=st.integers(16 << 10, 1 << 20), half=st.integers(1, 3))
+def test_shared_layers_property(case, memory, half):
+    """Any layout, memory budget and depth: the shared plan equals every layer planned alone."""
+    src_sizes, target, block = case
+    layers = 2 * half                       # even: the PP layout splits them over 2 stages
+    src, dst = _layered(src_sizes, target, block, layers)
+    plan = _check_shared(src, dst, block, memory)
+    assert plan.stats["instances"] == layers and plan.stats["templates"] <= layers
+    if layers > 2 and "pp" not in src_sizes:
+        assert plan.stats["templates"] == 2                      # the dense layer and one MoE layer
+
+
+def test_a_buffer_of_two_layers_plans_them_together_and_mixed_buffers_are_refused():
+    """A destination buffer fusing the quantized tensors of two layers: no per-layer split (one
+    sub-problem, planned as a whole); a buffer holding a quantized and an unquantized tensor is
+    refused naming both, before anything is planned."""
+    from mcore_reshard.core.planner import PlanError
+    names = ["model.layers.0.w.weight", "model.layers.1.w.weight"]
+    src, dst = Layout(), Layout()
+    for i, n in enumerate(names):
+        src.add_tensor(n, (32, 16), "bfloat16")
+        dst.add_tensor(n, (32, 16), "bfloat16")
+        src.add_buffer(i, Buffer(n, (32, 16), "bfloat16", (Piece(n, Box.full((32, 16)), Box.full((32, 16))),)))
+    dst.add_buffer(2, Buffer("fused", (64, 16), "bfloat16",
+                             tuple(Piece(n, Box.full((32, 16)), Box((32 * i, 0), (32, 16))) for i, n in enumerate(names))))
+    plan = make_fp8_plan(src, fp8_target(dst, set(names), (16, 16)), (16, 16))
+    assert (plan.stats["templates"], plan.stats["instances"]) == (1, 1) and plan.groups.instances == [(0, None, None)]
+    _owned_once(plan, src)
+    assert plan.stats["fp8_weight_network_bytes"] == 2 * 32 * 16 and plan.stats["fp8_scale_network_bytes"] == 2 * 2 * 4
+    assert sorted(plan.stats["quantized_elements"].items()) == [("0", 512), ("1", 512)]
+    # the same two tensors in buffers of their own: two layers of one geometry?  No: they sit on
+    # different source ranks, so two templates
+    dst2 = Layout(dict(dst.tensors), {})
+    for n in names:
+        dst2.add_buffer(2, Buffer(n, (32, 16), "bfloat16", (Piece(n, Box.full((32, 16)), Box.full((32, 16))),)))
+    plan2 = make_fp8_plan(src, fp8_target(dst2, set(names), (16, 16)), (16, 16))
+    assert (plan2.stats["templates"], plan2.stats["instances"]) == (2, 2)
+    assert plan2.stats["network_bytes"] == plan.stats["network_bytes"]
+    # a quantized and an unquantized tensor in one destination buffer
+    g = "model.layers.0.g.weight"
+    src.add_tensor(g, (16, 16), "bfloat16")
+    src.add_buffer(0, Buffer(g, (16, 16), "bfloat16", (Piece(g, Box.full((16, 16)), Box.full((16, 16))),)))
+    dst2.add_tensor(g, (16, 16), "bfloat16")
+    dst2.add_buffer(2, Buffer(g, (16, 16), "bfloat16", (Piece(g, Box.full((16, 16)), Box.full((16, 16))),)))
+    fp8 = fp8_target(dst2, set(names), (16, 16))          # (fp8_target itself refuses such a buffer)
+    del fp8.buffers[2][names[0]], fp8.buffers[2][g]
+    fp8.buffers[2]["mixed"] = Buffer("mixed", (48, 16), "float8_e4m3fn", (
+        Piece(names[0], Box.full((32, 16)), Box((0, 0), (32, 16))), Piece(g, Box.full((16, 16)), Box((32, 0), (16, 16)))))
+    with pytest.raises(PlanError, match=rf"rank 2 buffer mixed holds {g} and {names[0]}, planned apart"):
+        make_fp8_plan(src, fp8, (16, 16))

@@ -28,7 +28,8 @@ UTILITIES = {"tools.progress", "tools.memstat"}
 # order inside core: layout descriptors, then the planner and DTensor views, then the executor
 CORE = {"box": 0, "mesh": 0, "layout": 1, "dtensor": 2, "planner": 2, "executor": 3}
 # pure metadata: no torch at all (the planner layer and everything it reads)
-PURE = ("core.box", "core.mesh", "core.layout", "core.planner", "mapper", "targets", "fp8.layout", "fp8.plan")
+PURE = ("core.box", "core.mesh", "core.layout", "core.planner", "mapper", "targets", "fp8.layout", "fp8.plan", "fp8.shared",
+        "fp8.groups", "fp8.regions")
 # the only places that call point-to-point operations: the executor, the benchmark's baseline, and the
 # tiny test models' pipeline-parallel forward (activations, not weights)
 P2P = ("core.executor", "tools.bench.live", "testing.tiny_models")   # + the tiny models' pipeline forward

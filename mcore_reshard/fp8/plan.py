@@ -24,6 +24,11 @@ block rows, and a destination buffer is then written slab by slab (dim-0 views) 
 Every group is planned on its own, and one arena per rank (the largest group, <= ``memory_bytes``)
 holds the temporaries of every group in turn.  A unit that cannot fit raises :class:`PlanError`.
 
+Layers are planned apart (a group never spans two layers), and layers with the same geometry up to
+the layer number in the names share one plan (:mod:`.shared`): the first is planned, the others are
+its groups renamed, made on first use.  The 671B Megatron TP8 -> vLLM TP8 plan has 2 templates
+(the dense layers, the MoE layers with MTP's) for 61 layers.
+
 Example, ``[40, 32]`` bf16, block 16, source tp=2 over rows on ranks 0-1 (rows 0:20 | 20:40),
 destination whole on rank 2::
 
@@ -34,10 +39,11 @@ destination whole on rank 2::
     32:40      | rank 1             | 1     | ragged last block, in place
     stage B: 40x32 e4m3 (1280 B) + 3x2 fp32 scales (24 B) to rank 2, against 2560 B in BF16.
 
-The plan is plain data (JSON, never pickle) with one combined sha256 :attr:`Fp8Plan.hash`.
+The plan is plain data (JSON, never pickle: the compact form, templates + instances) with one
+combined sha256 :attr:`Fp8Plan.hash` of that form.
 
 Modules: :mod:`.regions` (block ownership, temporaries), :mod:`.groups` (groups under the memory
-budget, their sub-plans), this one (the plan, its JSON and hash, stats, :func:`make_fp8_plan`).
+budget, their sub-plans), :mod:`.shared` (layers split, canonical forms, renamed instances), this one (the plan, its JSON and hash, stats, :func:`make_fp8_plan`).
 """
 from __future__ import annotations
 
@@ -51,11 +57,21 @@ from typing import Mapping, Sequence
 from ..core.layout import Buffer, Layout, itemsize
 from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, make_plan
 from ..core.planner.index import _source_index
+from ..core.planner.plan import paused_gc
 from .groups import Fp8Group, _make_groups, _split_names
 from .layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
 from .regions import Region, _nbytes, plan_regions, restrict
+from .shared import LayerGroups, split_layers
 
-FP8_PLAN_VERSION = 2
+FP8_PLAN_VERSION = 3
+
+
+def _group_obj(g: Fp8Group) -> dict:
+    """What the plan hash covers of one group: its regions and temporaries, its sub-plans' hashes."""
+    return {"tensors": g.tensors, "regions": [r.to_json() for r in g.regions],
+            "temp": {str(r): t for r, t in sorted(g.temp.items())},
+            "views": {str(r): v for r, v in sorted(g.views.items())},
+            "assembly": None if g.assembly is None else g.assembly.hash, "stage_b": g.stage_b.hash}
 
 
 @dataclass
@@ -63,36 +79,45 @@ class Fp8Plan:
     block: tuple[int, int]
     quantized: list[str]
     rest: Plan                                    # unquantized tensors, one ordinary plan
-    groups: list[Fp8Group]
+    groups: LayerGroups                           # (a list is taken as one template, not renamed)
     arena: dict[int, int]                         # rank -> bytes of its temporaries (largest group)
     stats: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        if not isinstance(self.groups, LayerGroups):
+            self.groups = LayerGroups([list(self.groups)], [(0, None, None)])
+
     def to_json(self) -> dict:
+        """The compact form: each template's groups once, and the instances (template, its layer
+        number, the instance's) that rename them (:mod:`.shared`)."""
+        gs = self.groups
         return {"version": FP8_PLAN_VERSION, "block": list(self.block), "quantized": self.quantized,
-                "rest": self.rest.to_json(), "groups": [g.to_json() for g in self.groups],
+                "rest": self.rest.to_json(), "templates": [[g.to_json() for g in t] for t in gs.templates],
+                "instances": [list(x) for x in gs.instances],
                 "arena": {str(r): n for r, n in sorted(self.arena.items())}, "stats": self.stats}
 
     @staticmethod
     def from_json(o: Mapping) -> "Fp8Plan":
         if o.get("version") != FP8_PLAN_VERSION:
             raise PlanError(f"FP8 plan version {o.get('version')} is not {FP8_PLAN_VERSION}")
-        return Fp8Plan(tuple(o["block"]), list(o["quantized"]), Plan.from_json(o["rest"]),
-                       [Fp8Group.from_json(g) for g in o["groups"]], {int(r): n for r, n in o["arena"].items()},
-                       dict(o["stats"]))
+        groups = LayerGroups([[Fp8Group.from_json(g) for g in t] for t in o["templates"]],
+                             [tuple(x) for x in o["instances"]])
+        return Fp8Plan(tuple(o["block"]), list(o["quantized"]), Plan.from_json(o["rest"]), groups,
+                       {int(r): n for r, n in o["arena"].items()}, dict(o["stats"]))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     @property
+    @paused_gc()
     def hash(self) -> str:
-        """sha256 over the block, the regions, the temporaries and every sub-plan's own hash."""
+        """sha256 over the block, each template's regions, temporaries and sub-plans' own hashes,
+        and the instances (the compact form: renamed groups follow from it)."""
+        gs = self.groups
         obj = {"version": FP8_PLAN_VERSION, "block": list(self.block), "quantized": self.quantized,
                "rest": self.rest.hash, "arena": {str(r): n for r, n in sorted(self.arena.items())},
-               "groups": [{"tensors": g.tensors, "regions": [r.to_json() for r in g.regions],
-                           "temp": {str(r): t for r, t in sorted(g.temp.items())},
-                           "views": {str(r): v for r, v in sorted(g.views.items())},
-                           "assembly": None if g.assembly is None else g.assembly.hash, "stage_b": g.stage_b.hash}
-                          for g in self.groups]}
+               "templates": [[_group_obj(g) for g in t] for t in gs.templates],
+               "instances": [list(x) for x in gs.instances]}
         return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def summary(self) -> str:
@@ -117,6 +142,7 @@ def quantized_tensors(layout: Layout, family: str = "deepseek_v3", block: Sequen
     return load_family(family).fp8_rules().quantized(layout.tensors.values(), block)
 
 
+@paused_gc()
 def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_bytes: int = DEFAULT_BUDGET,
                   memory_bytes: int | None = None, allow_cast: bool = False, ignore_unused: bool = False,
                   compare_bf16: bool = True) -> Fp8Plan:
@@ -151,18 +177,18 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
         raise PlanError(f"{len(unused)} source tensor(s) have no destination: {', '.join(unused[:8])}"
                         + (" ..." if len(unused) > 8 else "") + " (pass ignore_unused=True to drop them)")
     rest_names = set(dst.tensors) - quantized - scales
-    rest = make_plan(restrict(src, rest_names), restrict(dst, rest_names, whole=True, keep_empty=True),
-                     budget_bytes=budget_bytes, allow_cast=allow_cast)
+    split = split_layers(src, dst, quantized, rest_names)
+    if split is None:           # a destination buffer holds two layers: one sub-problem
+        layers = {None: (sorted(quantized), restrict(src, quantized), restrict(dst, quantized | scales), None)}
+        rest_src, rest_dst = restrict(src, rest_names), restrict(dst, rest_names, whole=True, keep_empty=True)
+    else:
+        layers, rest_src, rest_dst = split
+    rest = make_plan(rest_src, rest_dst, budget_bytes=budget_bytes, allow_cast=allow_cast)
     names = sorted(quantized)
-    index = _source_index(src)
-    regions = plan_regions(src, names, b, dst, index)
-    by_tensor: dict[str, list[Region]] = defaultdict(list)
-    for g in regions:
-        by_tensor[g.tensor].append(g)
-
-    groups = _make_groups(src, dst, b, quantized, regions, memory, budget_bytes)
+    dtypes = {n: src.tensors[n].dtype for n in quantized} if compare_bf16 else None
+    groups, bf16 = _plan_layers(layers, b, memory, budget_bytes, dtypes)
     arena: dict[int, int] = defaultdict(int)
-    for g in groups:
+    for g, _ in groups.counted():
         for r, t in g.temp.items():
             arena[r] = max(arena[r], max((off + _nbytes(Buffer("", tuple(shape), dt, ())) for shape, dt, off in t.values()),
                                          default=0))
@@ -172,13 +198,41 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     plan.stats["unused_tensors"] = unused
     plan.stats["memory_bytes"] = memory
     plan.stats["arena_bytes"] = {str(r): n for r, n in sorted(plan.arena.items())}
-    plan.stats["split_tensors"] = len(_split_names(groups))
+    uses = [0] * len(groups.templates)
+    for tid, _, _ in groups.instances:
+        uses[tid] += 1
+    plan.stats["split_tensors"] = sum(len(_split_names(t)) * k for t, k in zip(groups.templates, uses))
+    plan.stats["templates"], plan.stats["instances"] = len(groups.templates), len(groups.instances)
     if compare_bf16:
-        dtypes = {n: src.tensors[n].dtype for n in quantized}
-        net, loc = bf16_bytes(src, bf16_target(dst, dtypes), index)
-        plan.stats["bf16_network_bytes"] = net
-        plan.stats["bf16_local_bytes"] = loc
+        net, loc = bf16_bytes(rest_src, rest_dst)
+        plan.stats["bf16_network_bytes"] = net + bf16[0]
+        plan.stats["bf16_local_bytes"] = loc + bf16[1]
     return plan
+
+
+def _plan_layers(layers: dict, b: tuple[int, int], memory: int, budget_bytes: int,
+                 dtypes: dict | None) -> tuple[LayerGroups, tuple[int, int]]:
+    """The groups of every layer (:mod:`.shared`; ``layers`` as :func:`~.shared.split_layers` makes
+    them): each distinct layer geometry planned once, the others renamed from it; and the BF16
+    refit's (network, local) bytes of the quantized tensors (with ``dtypes``: their source dtypes)."""
+    templates: list[list[Fp8Group]] = []
+    instances: list[tuple] = []
+    seen: dict[tuple, tuple[int, int | None, tuple[int, int]]] = {}
+    net = loc = 0
+    for k in sorted(layers, key=lambda x: layers[x][0][0]):
+        names, lsrc, ldst, form = layers[k]
+        hit = seen.get(form) if form is not None else None
+        if hit is None:
+            index = _source_index(lsrc)
+            regions = plan_regions(lsrc, names, b, ldst, index)
+            templates.append(_make_groups(lsrc, ldst, b, set(names), regions, memory, budget_bytes))
+            counts = bf16_bytes(lsrc, bf16_target(ldst, dtypes), index) if dtypes is not None else (0, 0)
+            hit = (len(templates) - 1, k, counts)
+            if form is not None:
+                seen[form] = hit
+        instances.append((hit[0], hit[1], k))
+        net, loc = net + hit[2][0], loc + hit[2][1]
+    return LayerGroups(templates, instances), (net, loc)
 
 
 def bf16_bytes(src: Layout, dst: Layout, index: Mapping | None = None) -> tuple[int, int]:
@@ -223,27 +277,29 @@ def bf16_bytes(src: Layout, dst: Layout, index: Mapping | None = None) -> tuple[
 
 
 def fp8_stats(plan: Fp8Plan, scales: set[str]) -> dict:
-    asm_net = asm_local = w_net = s_net = w_local = s_local = 0
+    """The plan's totals, from each template group times its instances (renaming moves no byte)."""
+    asm_net = asm_local = w_net = s_net = w_local = s_local = nregions = 0
     work: dict[str, int] = defaultdict(int)
     blocks: dict[str, int] = defaultdict(int)
-    for g in plan.groups:
+    for g, k in plan.groups.counted():
         if g.assembly is not None:
-            asm_net += g.assembly.stats["network_bytes"]
-            asm_local += g.assembly.stats["local_bytes"]
+            asm_net += k * g.assembly.stats["network_bytes"]
+            asm_local += k * g.assembly.stats["local_bytes"]
         for m in g.stage_b.messages:
             for c in m.entries:
                 if c.tensor in scales:
-                    s_net += c.nbytes
+                    s_net += k * c.nbytes
                 else:
-                    w_net += c.nbytes
+                    w_net += k * c.nbytes
         for c in g.stage_b.local_copies:
             if c.tensor in scales:
-                s_local += c.nbytes
+                s_local += k * c.nbytes
             else:
-                w_local += c.nbytes
+                w_local += k * c.nbytes
         for reg in g.regions:
-            work[str(reg.owner)] += reg.box.numel
-            blocks[str(reg.owner)] += reg.grid.numel
+            work[str(reg.owner)] += k * reg.box.numel
+            blocks[str(reg.owner)] += k * reg.grid.numel
+        nregions += k * len(g.regions)
     rest = plan.rest.stats["network_bytes"]
     return {
         "network_bytes": asm_net + w_net + s_net + rest,
@@ -253,9 +309,9 @@ def fp8_stats(plan: Fp8Plan, scales: set[str]) -> dict:
         "rest_network_bytes": rest, "rest_local_bytes": plan.rest.stats["local_bytes"],
         "lower_bound_bytes": w_net + s_net + plan.rest.stats["lower_bound_bytes"],
         "quantized_elements": dict(sorted(work.items())), "quantized_blocks": dict(sorted(blocks.items())),
-        "groups": len(plan.groups), "regions": sum(len(g.regions) for g in plan.groups),
+        "groups": len(plan.groups), "regions": nregions,
         "max_temp_bytes": max(plan.arena.values(), default=0),
     }
 
 
-__all__ = ["Fp8Group", "Fp8Plan", "Region", "make_fp8_plan", "plan_regions", "quantized_tensors", "restrict"]
+__all__ = ["Fp8Group", "Fp8Plan", "LayerGroups", "Region", "make_fp8_plan", "plan_regions", "quantized_tensors", "restrict"]
