@@ -95,7 +95,7 @@ def test_templated_plans_are_exact_minimal_and_agree_rank_by_rank(case):
 @given(layered_cases())
 def test_both_placement_orders_keep_every_guarantee(case):
     """Largest first and in waves (``_place``'s two orders, each forced): exact, budget, bytes, parts;
-    the default keeps the one with fewer rounds."""
+    the default is one of them, the one with fewer rounds where its first is not near the fewest."""
     from mcore_reshard.core.planner.templates import _place
     src, dst, budget = case
     plan = make_plan(src, dst, budget_bytes=budget, templates="always")
@@ -110,7 +110,10 @@ def test_both_placement_orders_keep_every_guarantee(case):
             part = plan_part(forced, r)
             assert _same_messages(part.messages, [m for m in forced.messages if r in (m.src, m.dst)])
             assert validate_plan(part, r) == []
-    assert plan.rounds <= rounds[False] and plan.rounds >= min(rounds.values()) >= _fewest_rounds(plan)
+    from mcore_reshard.core.planner.templates import WAVE_SLACK
+    assert plan.rounds in rounds.values() and min(rounds.values()) >= _fewest_rounds(plan)
+    if plan.rounds > WAVE_SLACK * _fewest_rounds(plan):
+        assert plan.rounds == min(rounds.values())
 
 
 def test_pipeline_stages_share_rounds_message_by_message():

@@ -263,14 +263,17 @@ def _place(templates: list[_Template], instances: list, budget: int,
     """Every instance's messages first-fit into global rounds: per instance, the global round of
     each template message, and the number of global rounds.
 
-    First largest first (ties by (src, dst, instance, message)).  Where that needs more than
-    ``WAVE_SLACK`` x the fewest possible rounds (every rank about equally loaded, as in the
-    disaggregated refits: ``nccl_m2n`` 105 rounds for 80, ``nemo_rl_ep`` 75 for 53), again in
-    *waves*: a message of template round k of instance i goes in wave (k + i) mod (the template's
-    rounds), largest first within a wave, so one wave mixes different rounds of different instances
-    (each template round loads some ranks most: its first fit fills the lowest ranks first);
-    ``nccl_m2n`` 90, ``nemo_rl_ep`` 58.  The placement with fewer rounds is kept (ties: the first).
-    ``waves`` True / False: that order only (tests)."""
+    Two orders: largest first (ties by (src, dst, instance, message)), and in *waves*: a message of
+    template round k of instance i goes in wave (k + i) mod (the template's rounds), largest first
+    within a wave, so one wave mixes different rounds of different instances (each template round
+    loads some ranks most: its first fit fills the lowest ranks first).  Disaggregated refits
+    (every rank only sends or only receives) start with waves (measured, fewest possible in
+    brackets: ``nccl_m2n`` 90 rounds against 105 largest first (80), ``nemo_rl_ep`` 58 / 75 (53),
+    ``nemo_rl`` 34 / 41 (33)), colocated ones largest first (``colocated_sglang`` 1,574 against 1,688
+    in waves (1,457), and waves cost more there: a falling item size recomputes the round masks);
+    the other order is tried only where the first needs more than ``WAVE_SLACK`` x the fewest
+    possible rounds, and the placement with fewer rounds is kept (ties: the first).  ``waves``
+    True / False: that order only (tests)."""
     # an item is one int, (budget - bytes, src, dst, instance, message) packed most significant
     # first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
     top = max((r for _, _, ranks in instances for r in ranks), default=0)
@@ -286,17 +289,26 @@ def _place(templates: list[_Template], instances: list, budget: int,
         for j, v in t.staged.items():
             most[ranks[j]] += v
     lengths = [len(templates[tid].pairs) for tid, _, _ in instances]
-    placement, rounds = None, float("inf")
-    if waves is not True:
-        items.sort()
-        placement, rounds = _first_fit(items, lengths, budget, bits)
     fewest = -(-max(most.values(), default=0) // budget)
-    if waves or (waves is None and rounds > WAVE_SLACK * fewest):
-        items = _with_waves(items, templates, instances, bits)
-        items.sort()
-        wp, wr = _first_fit(items, lengths, budget, bits)
-        if wr < rounds:
-            placement, rounds = wp, wr
+    if waves is None:       # disaggregated (no rank sends and receives): waves first, else largest first
+        senders = {ranks[s] for tid, _, ranks in instances for s, _, _ in templates[tid].pairs}
+        receivers = {ranks[d] for tid, _, ranks in instances for _, d, _ in templates[tid].pairs}
+        order = (True, False) if senders.isdisjoint(receivers) else (False, True)
+    else:
+        order = (waves,)
+    placement, rounds = None, float("inf")
+    for w in order:
+        if placement is not None and rounds <= WAVE_SLACK * fewest:
+            break
+        if w:
+            seq = sorted(_with_waves(items, templates, instances, bits))
+        else:
+            items.sort()
+            seq = items
+        got = _first_fit(seq, lengths, budget, bits)
+        del seq
+        if got[1] < rounds:
+            placement, rounds = got
     return placement, rounds
 
 
