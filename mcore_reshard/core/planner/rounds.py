@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from heapq import heapify, heappop, heappush
 from operator import itemgetter
 
 from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
@@ -13,21 +14,23 @@ class RoundFill:
     Per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
     k < len(used) with used[k] <= lim for the lim it was last computed for; the lowest round with
     room for both ranks is the lowest bit of the two masks' AND, each extended with ones past its
-    end.  A mask is recomputed only when lim falls or reaches the least usage among the rounds it
-    leaves out (usage only grows, so that least usage, kept as a lower bound, never misses a round
-    that gained room): items largest first (lim only grows) recompute least."""
+    end.  The rounds a mask leaves out wait in a heap by usage: an item only goes to a round in
+    the mask, so a left-out round's usage does not change while it waits, and when lim grows the
+    rounds it reaches come off the heap into the mask (a round that fills up goes the other way).
+    Only a falling lim (an item larger than the one before) recomputes mask and heap: items
+    largest first never do."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.used: dict[int, list[int]] = {}
-        self.masks: dict[int, list] = {}        # rank -> [lim, mask, least usage of a left-out round]
+        self.masks: dict[int, list] = {}        # rank -> [lim, mask, heap of (usage, round) left out]
         self.rounds = 0
 
     def _state(self, r: int) -> tuple[list[int], list]:
         u = self.used.get(r)
         if u is None:
             u = self.used[r] = []
-            self.masks[r] = [None, 0, float("inf")]
+            self.masks[r] = [None, 0, []]
         return u, self.masks[r]
 
     def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
@@ -49,11 +52,15 @@ class RoundFill:
         both = -1
         for u, m in ((us, ms), (ud, md)):
             if m[0] != lim:
-                down = m[0] is None or lim < m[0]
-                m[0] = lim
-                if down or lim >= m[2]:
+                if m[0] is None or lim < m[0]:
                     m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
-                    m[2] = min((x for x in u if x > lim), default=float("inf"))
+                    m[2] = [(x, k) for k, x in enumerate(u) if x > lim]
+                    heapify(m[2])
+                else:
+                    h = m[2]
+                    while h and h[0][0] <= lim:
+                        m[1] |= 1 << heappop(h)[1]
+                m[0] = lim
             both &= m[1] | (-1 << len(u))
         k = (both & -both).bit_length() - 1
         cnt = min((budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)) // n, count)
@@ -65,8 +72,7 @@ class RoundFill:
             x = u[k] = u[k] + add_n
             if x > lim:
                 m[1] &= ~(1 << k)
-                if x < m[2]:
-                    m[2] = x
+                heappush(m[2], (x, k))
         if k >= self.rounds:
             self.rounds = k + 1
         return k, cnt
