@@ -198,10 +198,7 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     plan.stats["unused_tensors"] = unused
     plan.stats["memory_bytes"] = memory
     plan.stats["arena_bytes"] = {str(r): n for r, n in sorted(plan.arena.items())}
-    uses = [0] * len(groups.templates)
-    for tid, _, _ in groups.instances:
-        uses[tid] += 1
-    plan.stats["split_tensors"] = sum(len(_split_names(t)) * k for t, k in zip(groups.templates, uses))
+    plan.stats["split_tensors"] = sum(len(_split_names(t)) * k for t, k in zip(groups.templates, groups.uses()))
     plan.stats["templates"], plan.stats["instances"] = len(groups.templates), len(groups.instances)
     if compare_bf16:
         net, loc = bf16_bytes(rest_src, rest_dst)

@@ -230,11 +230,16 @@ class LayerGroups(Sequence):
                     self[i]
         return (self._made[i] for i in range(self.total))
 
+    def uses(self) -> list[int]:
+        """Per template, its number of instances."""
+        out = [0] * len(self.templates)
+        for tid, _, _ in self.instances:
+            out[tid] += 1
+        return out
+
     def counted(self) -> Iterator[tuple[Fp8Group, int]]:
         """(template group, number of instances): what the plan's totals need, without renaming."""
-        uses = [0] * len(self.templates)
-        for tid, _, _ in self.instances:
-            uses[tid] += 1
+        uses = self.uses()
         for tid, gs in enumerate(self.templates):
             for g in gs:
                 yield g, uses[tid]

@@ -24,7 +24,9 @@ Example, one ``[4, 2]`` float32 tensor, source tp=2 on ranks 0-1, destination un
 Modules: :mod:`.plan` (plan data, JSON, hash), :mod:`.index` (source index, checks),
 :mod:`.matching` (destination pieces against source boxes), :mod:`.senders` (replica choice),
 :mod:`.rounds` (round packing and messages), :mod:`.stats` (per-rank parts, totals),
-:mod:`.validate` (self-consistency of a received plan).  Import from this package.
+:mod:`.validate` (self-consistency of a received plan), :mod:`.templates` (layers planned once per
+geometry) and :mod:`.placement` (their messages into rounds), :mod:`.topology` (two-level plans).
+Import from this package.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ of one (round, src, dst) are merged (entries back to back, offsets shifted, in (
 order).  Packing messages rather than whole template rounds lets the layers of different pipeline
 stages, and the short rounds of one layer, share rounds (fewest possible rounds in brackets):
 ``nccl_m2n`` 300 -> 90 (80), ``nemo_rl`` 40 -> 34 (33), ``train1024`` 523 -> 126 (117),
-``colocated_sglang`` 3,531 -> 1,574 (1,457).
+``colocated_sglang`` 3,531 -> 1,574 (1,457).  The placement itself: :mod:`.placement`.
 
 Every guarantee of the ordinary planner holds instance by instance (each is an exact, minimal plan
 of its own tensors on its own buffers) and the packing keeps every rank's staging per round within
@@ -34,7 +34,7 @@ from collections import defaultdict
 from ..box import Box, unchecked_box
 from ..layout import Buffer, Layout, Piece, TensorMeta
 from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new, paused_gc
-from .rounds import RoundFill
+from .placement import WAVE_SLACK, _place  # noqa: F401 (WAVE_SLACK: tests)
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 MARK = "\x00"               # stands for the layer number in a canonical name
@@ -213,6 +213,10 @@ class _Template:
         for s, d, n in self.pairs:
             self.staged[s] += n
             self.staged[d] += n
+        b = plan.buffers
+        self.nranks = 1 + max((j for side in ("src", "dst") for j in b.get(side, {})), default=-1)
+        self.senders = {s for s, _, _ in self.pairs}       # indices that send / receive a message
+        self.receivers = {d for _, d, _ in self.pairs}
         self.of_index: dict[int, list[int]] = defaultdict(list)    # index -> its messages (positions)
         for q, m in enumerate(self.msgs):
             self.of_index[m.src].append(q)
@@ -255,118 +259,6 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
     return TemplatedPlan(tensors, budget_bytes, templates, instances)
 
 
-WAVE_SLACK = 1.1     # first-fit decreasing placements with more rounds than this x the fewest try waves
-
-
-def _place(templates: list[_Template], instances: list, budget: int,
-           waves: bool | None = None) -> tuple[list[list[int]], int]:
-    """Every instance's messages first-fit into global rounds: per instance, the global round of
-    each template message, and the number of global rounds.
-
-    Two orders: largest first (ties by (src, dst, instance, message)), and in *waves*: a message of
-    template round k of instance i goes in wave (k + i) mod (the template's rounds), largest first
-    within a wave, so one wave mixes different rounds of different instances (each template round
-    loads some ranks most: its first fit fills the lowest ranks first).  Disaggregated refits
-    (every rank only sends or only receives) start with waves (measured, fewest possible in
-    brackets: ``nccl_m2n`` 90 rounds against 105 largest first (80), ``nemo_rl_ep`` 58 / 75 (53),
-    ``nemo_rl`` 34 / 41 (33)), colocated ones largest first (``colocated_sglang`` 1,574 against 1,688
-    in waves (1,457), and waves cost more there: a falling item size recomputes the round masks);
-    the other order is tried only where the first needs more than ``WAVE_SLACK`` x the fewest
-    possible rounds, and the placement with fewer rounds is kept (ties: the first).  ``waves``
-    True / False: that order only (tests)."""
-    # an item is one int, (budget - bytes, src, dst, instance, message) packed most significant
-    # first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
-    top = max((r for _, _, ranks in instances for r in ranks), default=0)
-    bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, budget)
-    most: dict[int, int] = defaultdict(int)       # rank -> bytes it stages in all
-    items: list[int] = []
-    sn, ss, sd, si = bits.n, bits.s, bits.d, bits.i
-    for i, (tid, _, ranks) in enumerate(instances):
-        t = templates[tid]
-        base = i << si
-        items.extend([((budget - n) << sn) | (ranks[s] << ss) | (ranks[d] << sd) | base | q
-                      for q, (s, d, n) in enumerate(t.pairs)])
-        for j, v in t.staged.items():
-            most[ranks[j]] += v
-    lengths = [len(templates[tid].pairs) for tid, _, _ in instances]
-    fewest = -(-max(most.values(), default=0) // budget)
-    if waves is None:       # disaggregated (no rank sends and receives): waves first, else largest first
-        senders = {ranks[s] for tid, _, ranks in instances for s, _, _ in templates[tid].pairs}
-        receivers = {ranks[d] for tid, _, ranks in instances for _, d, _ in templates[tid].pairs}
-        order = (True, False) if senders.isdisjoint(receivers) else (False, True)
-    else:
-        order = (waves,)
-    placement, rounds = None, float("inf")
-    for w in order:
-        if placement is not None and rounds <= WAVE_SLACK * fewest:
-            break
-        if w:
-            seq = sorted(_with_waves(items, templates, instances, bits))
-        else:
-            items.sort()
-            seq = items
-        got = _first_fit(seq, lengths, budget, bits)
-        del seq
-        if got[1] < rounds:
-            placement, rounds = got
-    return placement, rounds
-
-
-class _Bits:
-    """Bit offsets of the fields of a packed placement item (message, instance, dst, src, budget -
-    bytes, wave: least significant first)."""
-
-    def __init__(self, messages: int, instances: int, top_rank: int, budget: int):
-        self.i = max(1, messages.bit_length())
-        rb = max(1, top_rank.bit_length())
-        self.d = self.i + max(1, instances.bit_length())
-        self.s = self.d + rb
-        self.n = self.s + rb
-        self.w = self.n + budget.bit_length() + 1
-        self.qmask, self.imask, self.rmask = (1 << self.i) - 1, (1 << (self.d - self.i)) - 1, (1 << rb) - 1
-
-
-def _with_waves(items: list[int], templates: list[_Template], instances: list, bits: _Bits) -> list[int]:
-    """The items with their wave, (template round + instance) mod the template's rounds, on top."""
-    si, sw, qm, im = bits.i, bits.w, bits.qmask, bits.imask
-    out = []
-    for x in items:
-        i, q = (x >> si) & im, x & qm
-        t = templates[instances[i][0]]
-        out.append((((t.round_of[q] + i) % t.plan.rounds) << sw) | x)
-    return out
-
-
-def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits) -> tuple[list[list[int]], int]:
-    """Packed ``items`` (:class:`_Bits`), in order, each to the lowest round where both its ranks
-    have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``: each
-    instance's number of messages."""
-    placement = [[0] * n for n in lengths]
-    fill = RoundFill(budget)
-    place = fill.place
-    sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
-    nmask = (1 << (bits.w - bits.n)) - 1
-    rm, im, qm = bits.rmask, bits.imask, bits.qmask
-    j, total = 0, len(items)
-    while j < total:
-        x = items[j]
-        head = x >> sd                 # (wave,) bytes, src, dst: a run shares it
-        end = j + 1
-        while end < total and items[end] >> sd == head:
-            end += 1
-        s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
-        if end == j + 1:                # the common case: a run of one
-            placement[(x >> si) & im][x & qm] = place(s, d, n, 1)[0]
-            j = end
-            continue
-        while j < end:
-            k, cnt = place(s, d, n, end - j)
-            for y in items[j:j + cnt]:
-                placement[(y >> si) & im][y & qm] = k
-            j += cnt
-    return placement, fill.rounds
-
-
 class TemplatedPlan(Plan):
     """A :class:`Plan` kept as templates + instances + round placement; ``messages``,
     ``local_copies``, ``padding`` and ``buffers`` are made on first use (all ranks'), and
@@ -377,7 +269,7 @@ class TemplatedPlan(Plan):
         return part_of(self, rank)
 
     def __init__(self, tensors: dict, budget_bytes: int, templates: list[_Template], instances: list,
-                 placement: list | None = None, rounds: int | None = None):
+                 placement: list | None = None, rounds: int | None = None, stats: dict | None = None):
         self.tensors = tensors
         self.budget_bytes = budget_bytes
         self.templates = templates
@@ -388,7 +280,7 @@ class TemplatedPlan(Plan):
         self.rounds = rounds
         self.name = _Namer()
         self._cache: dict = {}
-        self.stats = _templated_stats(self)
+        self.stats = _templated_stats(self) if stats is None else stats     # given: a received plan's
 
     # -------------------------------------------------------------- compact form
     def to_json(self) -> dict:
@@ -410,9 +302,8 @@ class TemplatedPlan(Plan):
         instances = [(tid, tuple(nums), tuple(ranks)) for tid, nums, ranks in o["instances"]]
         placement, rounds = [list(x) for x in o["placement"]], o["rounds"]
         _check_placement(templates, instances, placement, rounds)
-        p = TemplatedPlan(dict(o["tensors"]), o["budget_bytes"], templates, instances, placement, rounds)
-        p.stats = dict(o["stats"])
-        return p
+        return TemplatedPlan(dict(o["tensors"]), o["budget_bytes"], templates, instances, placement, rounds,
+                             dict(o["stats"]))
 
     @property
     def hash(self) -> str:
@@ -616,7 +507,8 @@ def _templated_stats(self: "TemplatedPlan") -> dict:
 
 
 def _check_placement(templates: list[_Template], instances: list, placement: list, rounds) -> None:
-    """A received placement's shape: one global round in [0, rounds) per template message of each instance."""
+    """A received placement's shape: one global round in [0, rounds) per template message of each
+    instance, and increasing ranks for every rank index of its template."""
     if not isinstance(rounds, int) or rounds < 0:
         raise PlanError(f"templated plan: rounds {rounds!r} is not a count")
     if len(placement) != len(instances):
@@ -627,6 +519,11 @@ def _check_placement(templates: list[_Template], instances: list, placement: lis
         want = len(templates[tid].pairs)
         if len(gi) != want or not all(isinstance(g, int) and 0 <= g < rounds for g in gi):
             raise PlanError(f"templated plan: instance {i}'s placement is not {want} rounds in [0, {rounds})")
+        ranks, need = instances[i][2], templates[tid].nranks
+        if (len(ranks) < need or not all(isinstance(r, int) and r >= 0 for r in ranks)
+                or any(a >= b for a, b in zip(ranks, ranks[1:]))):
+            raise PlanError(f"templated plan: instance {i}'s ranks {list(ranks)[:8]} are not {need} or more "
+                            "increasing ranks")
 
 
 def part_of(plan: TemplatedPlan, rank: int) -> Plan:
