@@ -65,11 +65,16 @@ class _Namer:
         return got
 
 
-def _groups(src: Layout, dst: Layout) -> dict | None:
+def _layer_of(src: Layout, dst: Layout) -> dict[str, int | None]:
+    """Every tensor name of either side -> its layer number (None: no ``layers.<n>.``)."""
+    return {name: _number(name) for name in set(src.tensors) | set(dst.tensors)}
+
+
+def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict | None:
     """group key (layer number or None) -> {"src"|"dst": [(rank, ((buffer name, Buffer), ...))]}, the
     buffers of each rank in name order, or None when a buffer holds tensors of two groups (nothing
-    to template then).  Ranks with the same buffers (replicas) share one tuple per group."""
-    layer_of = {name: _number(name) for name in set(src.tensors) | set(dst.tensors)}
+    to template then).  Ranks with the same buffers (replicas) share one tuple per group.
+    ``layer_of``: tensor name -> its layer number (:func:`_layer_of`)."""
     out: dict = defaultdict(lambda: {"src": [], "dst": []})
     group_of: dict[int, object] = {}
     profiles: dict[tuple, dict] = {}
@@ -98,45 +103,65 @@ def _groups(src: Layout, dst: Layout) -> dict | None:
 
 
 class _Forms:
-    """Canonical forms of rank rows (a rank's buffers of one group), each given a small id."""
+    """Canonical forms of rank rows (a rank's buffers of one group), each given a small id.
 
-    def __init__(self):
+    A row's key is (its canonical buffer names, the form id of each buffer): a buffer's form
+    (shape, dtype, canonical pieces) is made and given an id once per Buffer object, and canonical
+    names are cached per layer number, so a row costs two lookups per buffer and one hash of two
+    flat tuples (not a hash of every piece of every buffer again)."""
+
+    def __init__(self, layer_of: dict[str, int | None]):
+        # tensor name -> its canonical name (a buffer's pieces are all of its group g = their
+        # tensors' layer number, so this is ``_canon(tensor, g)``)
+        self.tcanon = {t: _canon(t, n) for t, n in layer_of.items()}
         self.ids: dict[tuple, int] = {}
-        self.rows: list[tuple] = []         # id -> ((canonical buffer name, (shape, dtype, pieces)), ...)
-        self.row_of: dict[tuple, tuple[int, frozenset]] = {}     # (id(items), g, n) -> (row id, tensors)
-        # (id(buffer), g) -> ((shape, dtype, canonical pieces), its tensors)
-        self.bufs: dict[tuple, tuple[tuple, frozenset]] = {}
-        self.names: dict[tuple[str, int | None], str] = {}     # (name, n) -> canonical name
+        self.rows: list[tuple] = []         # id -> (canonical buffer names, form ids)
+        self.row_of: dict[tuple, int] = {}  # (id(items), g, n) -> row id
+        self.fid: dict[int, int] = {}       # id(buffer) -> form id (buffers outlive the planning)
+        self.fids: dict[tuple, int] = {}    # form -> form id
+        self.forms: list[tuple] = []        # form id -> (shape, dtype, canonical pieces)
+        self.names: dict[int | None, dict[str, str]] = {}     # n -> name -> canonical name
 
-    def canon(self, name: str, n: int | None) -> str:
-        key = (name, n)
-        got = self.names.get(key)
-        if got is None:
-            got = self.names[key] = _canon(name, n)
-        return got
+    def form(self, buf: Buffer) -> int:
+        tc = self.tcanon
+        f = (buf.shape, buf.dtype, tuple([(tc[p.tensor], p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes)
+                                          for p in buf.pieces]))
+        i = self.fids.get(f)
+        if i is None:
+            i = self.fids[f] = len(self.forms)
+            self.forms.append(f)
+        self.fid[id(buf)] = i
+        return i
 
-    def row(self, items: tuple, g, n) -> tuple[int, frozenset]:
+    def row(self, items: tuple, g, n) -> int:
         key = (id(items), g, n)
         got = self.row_of.get(key)
         if got is None:
-            content = []
-            names: set[str] = set()
-            canon, bufs = self.canon, self.bufs
-            for bname, buf in items:
-                s = bufs.get((id(buf), g))
-                if s is None:
-                    s = bufs[(id(buf), g)] = ((buf.shape, buf.dtype, tuple(
-                        (canon(p.tensor, g), p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes)
-                        for p in buf.pieces)), frozenset([p.tensor for p in buf.pieces]))
-                names |= s[1]
-                content.append((canon(bname, n), s[0]))
-            content = tuple(content)
-            rid = self.ids.get(content)
-            if rid is None:
-                rid = self.ids[content] = len(self.rows)
+            names = self.names.get(n)
+            if names is None:
+                names = self.names[n] = {}
+            get = names.get
+            cn = [get(b) for b, _ in items]
+            if None in cn:
+                cn = [c if c is not None else names.setdefault(b, _canon(b, n)) for c, (b, _) in zip(cn, items)]
+            fid = self.fid.get
+            fs = [fid(id(buf)) for _, buf in items]
+            if None in fs:
+                form = self.form
+                fs = [f if f is not None else form(buf) for f, (_, buf) in zip(fs, items)]
+            content = (tuple(cn), tuple(fs))
+            got = self.ids.get(content)
+            if got is None:
+                got = self.ids[content] = len(self.rows)
                 self.rows.append(content)
-            got = self.row_of[key] = (rid, frozenset(names))
+            self.row_of[key] = got
         return got
+
+    def buffers(self, rid: int):
+        """(canonical buffer name, (shape, dtype, canonical pieces)) of row ``rid``, in name order."""
+        names, fs = self.rows[rid]
+        forms = self.forms
+        return [(b, forms[f]) for b, f in zip(names, fs)]
 
 
 def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tuple:
@@ -156,17 +181,19 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tup
     ranks = sorted({r for side in ("src", "dst") for r, _ in members[side]})
     idx = {r: i for i, r in enumerate(ranks)}
     form = []
+    tcanon = forms.tcanon
     for side, lay, n in (("src", src, nums[1]), ("dst", dst, nums[2])):
         rows = []
         names: set[str] = set()
         seen: set[int] = set()
         for r, items in members[side]:
-            rid, tn = forms.row(items, g, n)
-            if rid not in seen:
+            rid = forms.row(items, g, n)
+            if rid not in seen:         # equal rows of one group hold the same tensors
                 seen.add(rid)
-                names |= tn
+                names.update([p.tensor for _, buf in items for p in buf.pieces])
             rows.append((idx[r], rid))
-        metas = tuple(sorted((_canon(t, g), lay.tensors[t].shape, lay.tensors[t].dtype) for t in names))
+        tm = lay.tensors
+        metas = tuple(sorted((tcanon[t], tm[t].shape, tm[t].dtype) for t in names))
         form.append((tuple(rows), metas))
     return tuple(form), tuple(nums), tuple(ranks)
 
@@ -191,7 +218,7 @@ def _canonical_layouts(form: tuple, forms: _Forms) -> tuple[Layout, Layout]:
             mine = built.get(rid)
             if mine is None:
                 mine = built[rid] = {}
-                for bname, (shape, dtype, pieces) in forms.rows[rid]:
+                for bname, (shape, dtype, pieces) in forms.buffers(rid):
                     mine[bname] = Buffer(bname, shape, dtype, tuple(
                         Piece(t, box(bo, bs), box(lo, ls)) for t, bo, bs, lo, ls in pieces))
             lay.buffers.setdefault(i, {}).update(mine)
@@ -233,10 +260,11 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
                    plan_fn) -> "TemplatedPlan | None":
     """The templated plan, or None when templates would not help (no geometry repeats) or do not
     apply; ``plan_fn(src, dst, budget, allow_cast, ignore_unused)`` plans one template."""
-    groups = _groups(src, dst)
+    layer_of = _layer_of(src, dst)
+    groups = _groups(src, dst, layer_of)
     if groups is None or len(groups) < 2:
         return None
-    forms = _Forms()
+    forms = _Forms(layer_of)
     tids: dict[tuple, int] = {}
     reps: list[tuple] = []
     instances: list[tuple[int, tuple, tuple]] = []
