@@ -24,14 +24,29 @@ class RoundFill:
         self.budget = budget
         self.used: dict[int, list[int]] = {}
         self.masks: dict[int, list] = {}        # rank -> [lim, mask, heap of (usage, round) left out]
+        self.state: dict[int, tuple[list[int], list]] = {}     # rank -> (used, masks): one lookup
         self.rounds = 0
 
     def _state(self, r: int) -> tuple[list[int], list]:
-        u = self.used.get(r)
-        if u is None:
+        st = self.state.get(r)
+        if st is None:
             u = self.used[r] = []
-            self.masks[r] = [None, 0, []]
-        return u, self.masks[r]
+            m = self.masks[r] = [None, 0, []]
+            st = self.state[r] = (u, m)
+        return st
+
+    @staticmethod
+    def _relim(u: list[int], m: list, lim: int) -> None:
+        """Mask and heap of one rank for a new ``lim``."""
+        if m[0] is None or lim < m[0]:
+            m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
+            m[2] = [(x, k) for k, x in enumerate(u) if x > lim]
+            heapify(m[2])
+        else:
+            h = m[2]
+            while h and h[0][0] <= lim:
+                m[1] |= 1 << heappop(h)[1]
+        m[0] = lim
 
     def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
         """Up to ``count`` items of ``n`` (aligned) bytes from rank ``s`` to rank ``d``, each to the
@@ -39,40 +54,38 @@ class RoundFill:
         rounds never regain room, so one at a time would land the same).  Returns (round, placed)."""
         budget = self.budget
         lim = budget - n
-        used, masks = self.used, self.masks
-        us, ud = used.get(s), used.get(d)
-        if us is None:
-            us, ms = self._state(s)
-        else:
-            ms = masks[s]
-        if ud is None:
-            ud, md = self._state(d)
-        else:
-            md = masks[d]
-        both = -1
-        for u, m in ((us, ms), (ud, md)):
-            if m[0] != lim:
-                if m[0] is None or lim < m[0]:
-                    m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
-                    m[2] = [(x, k) for k, x in enumerate(u) if x > lim]
-                    heapify(m[2])
-                else:
-                    h = m[2]
-                    while h and h[0][0] <= lim:
-                        m[1] |= 1 << heappop(h)[1]
-                m[0] = lim
-            both &= m[1] | (-1 << len(u))
+        state = self.state
+        st = state.get(s)
+        us, ms = st if st is not None else self._state(s)
+        st = state.get(d)
+        ud, md = st if st is not None else self._state(d)
+        if ms[0] != lim:
+            self._relim(us, ms, lim)
+        if md[0] != lim:
+            self._relim(ud, md, lim)
+        ls, ld = len(us), len(ud)
+        both = (ms[1] | (-1 << ls)) & (md[1] | (-1 << ld))
         k = (both & -both).bit_length() - 1
-        cnt = min((budget - max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0)) // n, count)
+        a = us[k] if k < ls else 0
+        b = ud[k] if k < ld else 0
+        cnt = (budget - (a if a > b else b)) // n
+        if cnt > count:
+            cnt = count
         add_n = cnt * n
-        for u, m in ((us, ms), (ud, md)):
-            if len(u) <= k:             # new rounds start empty: room in every one of them
-                m[1] |= ((1 << (k + 1)) - 1) ^ ((1 << len(u)) - 1)
-                u.extend([0] * (k + 1 - len(u)))
-            x = u[k] = u[k] + add_n
-            if x > lim:
-                m[1] &= ~(1 << k)
-                heappush(m[2], (x, k))
+        if ls <= k:                     # new rounds start empty: room in every one of them
+            ms[1] |= ((1 << (k + 1)) - 1) ^ ((1 << ls) - 1)
+            us.extend([0] * (k + 1 - ls))
+        x = us[k] = a + add_n
+        if x > lim:
+            ms[1] &= ~(1 << k)
+            heappush(ms[2], (x, k))
+        if ld <= k:
+            md[1] |= ((1 << (k + 1)) - 1) ^ ((1 << ld) - 1)
+            ud.extend([0] * (k + 1 - ld))
+        x = ud[k] = b + add_n
+        if x > lim:
+            md[1] &= ~(1 << k)
+            heappush(md[2], (x, k))
         if k >= self.rounds:
             self.rounds = k + 1
         return k, cnt
