@@ -105,6 +105,9 @@ def test_both_placement_orders_keep_every_guarantee(case):
         forced = TemplatedPlan(plan.tensors, budget, plan.templates, plan.instances, placement, n)
         rounds[waves] = forced.rounds
         check_plan(src, dst, forced)
+        # stats counted from a given placement (one pass) = those of its own messages
+        again = plan_stats(forced, forced.stats["lower_bound_bytes"])
+        assert {k: forced.stats[k] for k in again} == again
         assert validate_plan(forced) == []
         for r in forced.ranks:
             part = plan_part(forced, r)

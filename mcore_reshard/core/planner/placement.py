@@ -14,7 +14,15 @@ WAVE_SLACK = 1.1     # a first order needing more than this x the fewest rounds:
 def _place(templates: list, instances: list, budget: int,
            waves: bool | None = None) -> tuple[list[list[int]], int]:
     """Every instance's messages first-fit into global rounds: per instance, the global round of
-    each template message, and the number of global rounds.
+    each template message, and the number of global rounds (:func:`_place_counted`)."""
+    return _place_counted(templates, instances, budget, waves)[:2]
+
+
+def _place_counted(templates: list, instances: list, budget: int,
+                   waves: bool | None = None) -> tuple[list[list[int]], int, tuple]:
+    """:func:`_place`, and the kept placement's staging counted while it was made: (bytes staged to
+    send, to receive, per ``round * span + rank``; the number of (round, src, dst) messages),
+    ``span`` the largest rank + 1.
 
     Two orders: largest first (ties by (src, dst, instance, message)), and in *waves*: a message of
     template round k of instance i goes in wave (k + i) mod (the template's rounds), largest first
@@ -49,7 +57,7 @@ def _place(templates: list, instances: list, budget: int,
         order = (True, False) if senders.isdisjoint(receivers) else (False, True)
     else:
         order = (waves,)
-    placement, rounds = None, float("inf")
+    placement, rounds, totals = None, float("inf"), None
     for w in order:
         if placement is not None and rounds <= WAVE_SLACK * fewest:
             break
@@ -58,11 +66,11 @@ def _place(templates: list, instances: list, budget: int,
         else:
             items.sort()
             seq = items
-        got = _first_fit(seq, lengths, budget, bits)
+        got = _first_fit(seq, lengths, budget, bits, top + 1)
         del seq
         if got[1] < rounds:
-            placement, rounds = got
-    return placement, rounds
+            placement, rounds, totals = got
+    return placement, rounds, totals
 
 
 class _Bits:
@@ -90,11 +98,17 @@ def _with_waves(items: list[int], templates: list, instances: list, bits: _Bits)
     return out
 
 
-def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits) -> tuple[list[list[int]], int]:
+def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
+               span: int) -> tuple[list[list[int]], int, tuple]:
     """Packed ``items`` (:class:`_Bits`), in order, each to the lowest round where both its ranks
     have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``: each
-    instance's number of messages."""
+    instance's number of messages; ``span``: the largest rank + 1.  Returns the placement, the
+    rounds and the staging totals of :func:`_place_counted` (counted per placed run, not per item)."""
     placement = [[0] * n for n in lengths]
+    sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
+    recvs: dict[int, int] = defaultdict(int)    # round * span + dst -> bytes staged to receive
+    pairs: set[int] = set()                     # (round * span + src) * span + dst
+    add = pairs.add
     fill = RoundFill(budget)
     place = fill.place
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
@@ -109,12 +123,21 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits) -
             end += 1
         s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
         if end == j + 1:                # the common case: a run of one
-            placement[(x >> si) & im][x & qm] = place(s, d, n, 1)[0]
+            k = place(s, d, n, 1)[0]
+            placement[(x >> si) & im][x & qm] = k
+            ks = k * span + s
+            sends[ks] += n
+            recvs[k * span + d] += n
+            add(ks * span + d)
             j = end
             continue
         while j < end:
             k, cnt = place(s, d, n, end - j)
             for y in items[j:j + cnt]:
                 placement[(y >> si) & im][y & qm] = k
+            ks = k * span + s
+            sends[ks] += n * cnt
+            recvs[k * span + d] += n * cnt
+            add(ks * span + d)
             j += cnt
-    return placement, fill.rounds
+    return placement, fill.rounds, (sends, recvs, len(pairs))

@@ -34,7 +34,7 @@ from collections import defaultdict
 from ..box import Box, unchecked_box
 from ..layout import Buffer, Layout, Piece, TensorMeta
 from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new, paused_gc
-from .placement import WAVE_SLACK, _place  # noqa: F401 (WAVE_SLACK: tests)
+from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 MARK = "\x00"               # stands for the layer number in a canonical name
@@ -302,13 +302,15 @@ class TemplatedPlan(Plan):
         self.budget_bytes = budget_bytes
         self.templates = templates
         self.instances = instances
+        counted = None
         if placement is None:
-            placement, rounds = _place(templates, instances, budget_bytes)
+            placement, rounds, counted = _place_counted(templates, instances, budget_bytes)
         self.placement = placement      # instance -> the global round of each of its template's messages
         self.rounds = rounds
         self.name = _Namer()
         self._cache: dict = {}
-        self.stats = _templated_stats(self) if stats is None else stats     # given: a received plan's
+        # given: a received plan's; ``counted``: the staging totals of the placement just made
+        self.stats = _templated_stats(self, counted) if stats is None else stats
 
     # -------------------------------------------------------------- compact form
     def to_json(self) -> dict:
@@ -484,13 +486,13 @@ def _templated_buffers(self: "TemplatedPlan", wanted: set[int] | None) -> dict:
     return out
 
 
-def _templated_stats(self: "TemplatedPlan") -> dict:
-    """The stats of a templated plan, counted from its templates and placement (no copies made)."""
+def _templated_stats(self: "TemplatedPlan", counted: tuple | None = None) -> dict:
+    """The stats of a templated plan, counted from its templates and placement (no copies made);
+    ``counted``: the staging totals :func:`~.placement._place_counted` kept while placing (else
+    counted here from the placement, one pass over every instance's messages)."""
     from .stats import _totals_dict
     sent: dict[int, int] = defaultdict(int)
     recv: dict[int, int] = defaultdict(int)
-    stage_send: dict[tuple[int, int], int] = defaultdict(int)
-    stage_recv: dict[tuple[int, int], int] = defaultdict(int)
     lower = local = pad = 0
     tstats = []
     for t in self.templates:
@@ -511,7 +513,21 @@ def _templated_stats(self: "TemplatedPlan") -> dict:
         lower += lb
         local += lc
         pad += pd
-    # staging per (global round, rank) and one message per (global round, src, dst), keyed by ints
+    if counted is None:
+        counted = _count_staging(self)
+    # staging per (global round, rank) keyed by round * span + rank: only the maxima of
+    # the per-(round, rank) sums are kept, so the key's form does not matter
+    stage_send, stage_recv, messages = counted
+    stats = _totals_dict(self.ranks, (sent, recv, stage_send, stage_recv), lower, local, pad, messages, self.rounds)
+    stats["templates"] = len(self.templates)
+    stats["instances"] = len(self.instances)
+    return stats
+
+
+def _count_staging(self: "TemplatedPlan") -> tuple:
+    """Staging per (global round, rank) (keys ``round * span + rank``, ``span`` the largest rank
+    + 1), sends and receives apart, and the number of (global round, src, dst) messages, from
+    the placement."""
     span = max(self.ranks, default=0) + 1
     ss: dict[int, int] = defaultdict(int)
     sr: dict[int, int] = defaultdict(int)
@@ -523,15 +539,7 @@ def _templated_stats(self: "TemplatedPlan") -> dict:
             ss[gk + rs] += n
             sr[gk + rd] += n
             add((gk + rs) * span + rd)
-    messages = len(pairs)
-    for key, v in ss.items():
-        stage_send[divmod(key, span)] = v
-    for key, v in sr.items():
-        stage_recv[divmod(key, span)] = v
-    stats = _totals_dict(self.ranks, (sent, recv, stage_send, stage_recv), lower, local, pad, messages, self.rounds)
-    stats["templates"] = len(self.templates)
-    stats["instances"] = len(self.instances)
-    return stats
+    return ss, sr, len(pairs)
 
 
 def _check_placement(templates: list[_Template], instances: list, placement: list, rounds) -> None:
