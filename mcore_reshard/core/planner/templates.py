@@ -71,32 +71,45 @@ def _layer_of(src: Layout, dst: Layout) -> dict[str, int | None]:
 
 
 def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict | None:
-    """group key (layer number or None) -> {"src"|"dst": [(rank, ((buffer name, Buffer), ...))]}, the
-    buffers of each rank in name order, or None when a buffer holds tensors of two groups (nothing
-    to template then).  Ranks with the same buffers (replicas) share one tuple per group.
-    ``layer_of``: tensor name -> its layer number (:func:`_layer_of`)."""
+    """group key (layer number or None) -> {"src"|"dst": [(rank, (buffer names, Buffers, their
+    ids))]}, the buffers of each rank in name order, or None when a buffer holds tensors of two
+    groups (nothing to template then).  Ranks with the same buffers (replicas) share one tuple
+    per group.  ``layer_of``: tensor name -> its layer number (:func:`_layer_of`)."""
     out: dict = defaultdict(lambda: {"src": [], "dst": []})
-    group_of: dict[int, object] = {}
+    group_of: dict[int, object] = {}        # id(buffer) -> its group
     profiles: dict[tuple, dict] = {}
     bad = object()
+    gget = group_of.get
     for side, lay in (("src", src), ("dst", dst)):
         for r in sorted(lay.buffers):
             bufs = lay.buffers[r]
             names = sorted(bufs)
-            vals = [bufs[n] for n in names]
-            key = (tuple(names), tuple(map(id, vals)))
+            vals = list(map(bufs.__getitem__, names))
+            ids = tuple(map(id, vals))
+            key = (tuple(names), ids)
             prof = profiles.get(key)
             if prof is None:
-                mine: dict = {}
-                for bname, buf in zip(names, vals):
-                    g = group_of.get(id(buf), bad)
-                    if g is bad:
-                        gs = {layer_of[p.tensor] for p in buf.pieces}
-                        if len(gs) > 1:
-                            return None
-                        g = group_of[id(buf)] = gs.pop() if gs else None
-                    mine.setdefault(g, []).append((bname, buf))
-                prof = profiles[key] = {g: tuple(v) for g, v in mine.items()}
+                gs = [gget(i, bad) for i in ids]
+                for k, g in enumerate(gs):
+                    if g is bad:        # a buffer not seen before: the one layer number of its pieces
+                        pcs = vals[k].pieces
+                        g = layer_of[pcs[0].tensor] if pcs else None
+                        for p in pcs:
+                            if layer_of[p.tensor] != g:
+                                return None
+                        gs[k] = group_of[ids[k]] = g
+                first = gs[0] if gs else None
+                if gs.count(first) == len(gs):      # one group: no split
+                    mine = {first: range(len(gs))} if gs else {}
+                else:
+                    mine = {}
+                    for k, g in enumerate(gs):
+                        at = mine.get(g)
+                        if at is None:
+                            at = mine[g] = []
+                        at.append(k)
+                prof = profiles[key] = {g: (tuple(map(names.__getitem__, at)), tuple(map(vals.__getitem__, at)),
+                                            tuple(map(ids.__getitem__, at))) for g, at in mine.items()}
             for g, items in prof.items():
                 out[g][side].append((r, items))
     return out
@@ -140,15 +153,14 @@ class _Forms:
             names = self.names.get(n)
             if names is None:
                 names = self.names[n] = {}
-            get = names.get
-            cn = [get(b) for b, _ in items]
+            bnames, bufs, ids = items
+            cn = list(map(names.get, bnames))
             if None in cn:
-                cn = [c if c is not None else names.setdefault(b, _canon(b, n)) for c, (b, _) in zip(cn, items)]
-            fid = self.fid.get
-            fs = [fid(id(buf)) for _, buf in items]
+                cn = [c if c is not None else names.setdefault(b, _canon(b, n)) for c, b in zip(cn, bnames)]
+            fs = list(map(self.fid.get, ids))
             if None in fs:
                 form = self.form
-                fs = [f if f is not None else form(buf) for f, (_, buf) in zip(fs, items)]
+                fs = [f if f is not None else form(buf) for f, buf in zip(fs, bufs)]
             content = (tuple(cn), tuple(fs))
             got = self.ids.get(content)
             if got is None:
@@ -171,7 +183,7 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tup
         n = None
         if g is not None:
             for _, items in members[side]:
-                for bname, _ in items:
+                for bname in items[0]:
                     n = _number(bname)
                     if n is not None:
                         break
@@ -190,7 +202,7 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tup
             rid = forms.row(items, g, n)
             if rid not in seen:         # equal rows of one group hold the same tensors
                 seen.add(rid)
-                names.update([p.tensor for _, buf in items for p in buf.pieces])
+                names.update([p.tensor for buf in items[1] for p in buf.pieces])
             rows.append((idx[r], rid))
         tm = lay.tensors
         metas = tuple(sorted((tcanon[t], tm[t].shape, tm[t].dtype) for t in names))
