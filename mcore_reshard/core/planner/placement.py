@@ -106,7 +106,6 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
     rounds and the staging totals of :func:`_place_counted` (counted per placed run, not per item)."""
     placement = [[0] * n for n in lengths]
     sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
-    recvs: dict[int, int] = defaultdict(int)    # round * span + dst -> bytes staged to receive
     pairs: set[int] = set()                     # (round * span + src) * span + dst
     add = pairs.add
     fill = RoundFill(budget)
@@ -115,29 +114,38 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
     nmask = (1 << (bits.w - bits.n)) - 1
     rm, im, qm = bits.rmask, bits.imask, bits.qmask
     j, total = 0, len(items)
+    head = items[0] >> sd if items else 0
     while j < total:
         x = items[j]
-        head = x >> sd                 # (wave,) bytes, src, dst: a run shares it
-        end = j + 1
-        while end < total and items[end] >> sd == head:
-            end += 1
+        end = j + 1                     # (wave,) bytes, src, dst: a run shares ``head``
+        nxt = items[end] >> sd if end < total else None
         s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
-        if end == j + 1:                # the common case: a run of one
+        if nxt != head:                 # the common case: a run of one
             k = place(s, d, n, 1)[0]
             placement[(x >> si) & im][x & qm] = k
             ks = k * span + s
             sends[ks] += n
-            recvs[k * span + d] += n
             add(ks * span + d)
-            j = end
+            j, head = end, nxt
             continue
+        while nxt == head:
+            end += 1
+            nxt = items[end] >> sd if end < total else None
         while j < end:
             k, cnt = place(s, d, n, end - j)
             for y in items[j:j + cnt]:
                 placement[(y >> si) & im][y & qm] = k
             ks = k * span + s
             sends[ks] += n * cnt
-            recvs[k * span + d] += n * cnt
             add(ks * span + d)
             j += cnt
+        head = nxt
+    # a rank's staging per round is what it sends plus what it receives: the receives are the rest
+    recvs: dict[int, int] = {}
+    for r, u in fill.used.items():
+        for k, x in enumerate(u):
+            ks = k * span + r
+            v = x - sends.get(ks, 0)
+            if v:
+                recvs[ks] = v
     return placement, fill.rounds, (sends, recvs, len(pairs))

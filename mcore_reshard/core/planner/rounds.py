@@ -25,7 +25,11 @@ class RoundFill:
         self.used: dict[int, list[int]] = {}
         self.masks: dict[int, list] = {}        # rank -> [lim, mask, heap of (usage, round) left out]
         self.state: dict[int, tuple[list[int], list]] = {}     # rank -> (used, masks): one lookup
-        self.rounds = 0
+
+    @property
+    def rounds(self) -> int:
+        """Rounds used so far (a rank's list grows to k + 1 exactly when something lands in round k)."""
+        return max(map(len, self.used.values()), default=0)
 
     def _state(self, r: int) -> tuple[list[int], list]:
         st = self.state.get(r)
@@ -86,8 +90,6 @@ class RoundFill:
         if x > lim:
             md[1] &= ~(1 << k)
             heappush(md[2], (x, k))
-        if k >= self.rounds:
-            self.rounds = k + 1
         return k, cnt
 
 
