@@ -169,12 +169,6 @@ class _Forms:
             self.row_of[key] = got
         return got
 
-    def buffers(self, rid: int):
-        """(canonical buffer name, (shape, dtype, canonical pieces)) of row ``rid``, in name order."""
-        names, fs = self.rows[rid]
-        forms = self.forms
-        return [(b, forms[f]) for b, f in zip(names, fs)]
-
 
 def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tuple:
     """(canonical form, layer numbers (tensors, src buffers, dst buffers), ranks) of one group."""
@@ -212,8 +206,9 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tup
 
 def _canonical_layouts(form: tuple, forms: _Forms) -> tuple[Layout, Layout]:
     """The template's own layouts (canonical names, rank indices) from its canonical form; ranks
-    with the same row (replicas) share its Buffer objects, equal boxes one Box (the pieces come
-    from checked layouts: no checks again)."""
+    with the same row (replicas) share its Buffer objects, and so do ranks whose rows have a
+    buffer of the same name and form; equal boxes one Box (the pieces come from checked layouts:
+    no checks again)."""
     out = []
     boxes: dict[tuple, Box] = {}
 
@@ -226,13 +221,18 @@ def _canonical_layouts(form: tuple, forms: _Forms) -> tuple[Layout, Layout]:
     for rows, metas in form:
         lay = Layout({t: TensorMeta(t, shape, dt) for t, shape, dt in metas}, {})
         built: dict[int, dict] = {}
+        made: dict[tuple[str, int], Buffer] = {}    # (canonical name, form id) -> its Buffer
         for i, rid in rows:
             mine = built.get(rid)
             if mine is None:
                 mine = built[rid] = {}
-                for bname, (shape, dtype, pieces) in forms.buffers(rid):
-                    mine[bname] = Buffer(bname, shape, dtype, tuple(
-                        Piece(t, box(bo, bs), box(lo, ls)) for t, bo, bs, lo, ls in pieces))
+                for bname, f in zip(*forms.rows[rid]):
+                    b = made.get((bname, f))
+                    if b is None:       # rows differing in some buffers share the others
+                        shape, dtype, pieces = forms.forms[f]
+                        b = made[(bname, f)] = Buffer(bname, shape, dtype, tuple(
+                            Piece(t, box(bo, bs), box(lo, ls)) for t, bo, bs, lo, ls in pieces))
+                    mine[bname] = b
             lay.buffers.setdefault(i, {}).update(mine)
         out.append(lay)
     return out[0], out[1]
