@@ -106,8 +106,9 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
     rounds and the staging totals of :func:`_place_counted` (counted per placed run, not per item)."""
     placement = [[0] * n for n in lengths]
     sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
-    pairs: set[int] = set()                     # (round * span + src) * span + dst
-    add = pairs.add
+    # src * span + dst -> bit mask of the rounds with a message between them (far smaller than
+    # a set of (round, src, dst): one int per pair, not per message)
+    pairs: dict[int, int] = defaultdict(int)
     fill = RoundFill(budget)
     place = fill.place
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
@@ -123,9 +124,8 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
         if nxt != head:                 # the common case: a run of one
             k = place(s, d, n, 1)[0]
             placement[(x >> si) & im][x & qm] = k
-            ks = k * span + s
-            sends[ks] += n
-            add(ks * span + d)
+            sends[k * span + s] += n
+            pairs[s * span + d] |= 1 << k
             j, head = end, nxt
             continue
         while nxt == head:
@@ -135,9 +135,8 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
             k, cnt = place(s, d, n, end - j)
             for y in items[j:j + cnt]:
                 placement[(y >> si) & im][y & qm] = k
-            ks = k * span + s
-            sends[ks] += n * cnt
-            add(ks * span + d)
+            sends[k * span + s] += n * cnt
+            pairs[s * span + d] |= 1 << k
             j += cnt
         head = nxt
     # a rank's staging per round is what it sends plus what it receives: the receives are the rest
@@ -148,4 +147,4 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
             v = x - sends.get(ks, 0)
             if v:
                 recvs[ks] = v
-    return placement, fill.rounds, (sends, recvs, len(pairs))
+    return placement, fill.rounds, (sends, recvs, sum(m.bit_count() for m in pairs.values()))

@@ -296,6 +296,8 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
             templates.append(_Template(plan_fn(csrc, cdst, budget_bytes, allow_cast, True)))
         except PlanError:
             return None         # the ordinary planner names the problem with the real names
+    # the groups, canonical forms and layouts are not needed to place the messages: freed first
+    del groups, forms, tids, reps, form, csrc, cdst, layer_of
     return TemplatedPlan(tensors, budget_bytes, templates, instances)
 
 
