@@ -4,7 +4,10 @@ A full-size model repeats one geometry: 58 of DeepSeek-V3's 61 layers have the s
 and holders up to the layer number in the names and the ranks of their pipeline stage.  Tensors are
 grouped by the layer number in their name (``layers.<n>.``; no number: one "rest" group), every
 buffer goes with the group of its pieces, and each group is put in canonical form: names with the
-layer number replaced by a mark, ranks replaced by their index among the group's sorted ranks.
+layer number replaced by a mark, ranks replaced by their index among the group's sorted ranks
+(colocated jobs: also tried rotated, ``(rank - the group's lowest source rank) % ranks``, so that
+the pipeline stages of a training job whose inference replicas repeat every stage width share one
+template; the orientation with fewer templates is kept, ties the sorted one).
 Groups with the same canonical form share one *template*, planned once by the ordinary planner on
 the canonical layouts; an *instance* is (template, layer numbers, ranks), and a copy of the
 instance is the template's copy with the names re-numbered and the rank indices mapped to ranks.
@@ -28,7 +31,6 @@ part without anyone else's (:func:`part_of`).
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
 from collections import defaultdict
 
 from ..box import Box, unchecked_box
@@ -139,8 +141,11 @@ class _Forms:
         return got
 
 
-def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tuple:
-    """(canonical form, layer numbers (tensors, src buffers, dst buffers), ranks) of one group."""
+def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: int | None = None) -> tuple:
+    """(canonical form, layer numbers (tensors, src buffers, dst buffers), ranks) of one group.
+    Rank indices: the group's ranks in increasing order, or with ``span`` in increasing order of
+    ``(rank - base) % span`` (``base``: the group's lowest source rank), i.e. rotated so that the
+    source ranks of two pipeline stages of a colocated job get the same indices."""
     nums = [g]
     for side in ("src", "dst"):
         n = None
@@ -154,6 +159,9 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tup
                     break
         nums.append(n)
     ranks = sorted({r for side in ("src", "dst") for r, _ in members[side]})
+    if span is not None and ranks:
+        base = min((r for r, _ in members["src"]), default=ranks[0])
+        ranks.sort(key=lambda r: (r - base) % span)
     idx = {r: i for i, r in enumerate(ranks)}
     form = []
     for side, lay, n in (("src", src, nums[1]), ("dst", dst, nums[2])):
@@ -167,6 +175,7 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tup
                 names |= tn
             rows.append((idx[r], rid))
         metas = tuple(sorted((_canon(t, g), lay.tensors[t].shape, lay.tensors[t].dtype) for t in names))
+        rows.sort()                 # index order (rank order unless rotated)
         form.append((tuple(rows), metas))
     return tuple(form), tuple(nums), tuple(ranks)
 
@@ -237,16 +246,26 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
     if groups is None or len(groups) < 2:
         return None
     forms = _Forms()
-    tids: dict[tuple, int] = {}
-    reps: list[tuple] = []
-    instances: list[tuple[int, tuple, tuple]] = []
-    for g in sorted(groups, key=lambda k: (k is not None, k or 0)):
-        form, nums, ranks = _signature(g, groups[g], src, dst, forms)
-        tid = tids.get(form)
-        if tid is None:
-            tid = tids[form] = len(reps)
-            reps.append(form)
-        instances.append((tid, nums, ranks))
+    # colocated (a rank on both sides): the stages' groups may also match rotated (see _signature);
+    # the orientation with fewer templates wins, ties the plain one
+    spans = [None]
+    if not set(src.buffers).isdisjoint(dst.buffers):
+        spans.append(1 + max(max(src.buffers), max(dst.buffers)))
+    best = None
+    for span in spans:
+        tids: dict[tuple, int] = {}
+        reps: list[tuple] = []
+        instances: list[tuple[int, tuple, tuple]] = []
+        for g in sorted(groups, key=lambda k: (k is not None, k or 0)):
+            form, nums, ranks = _signature(g, groups[g], src, dst, forms, span)
+            tid = tids.get(form)
+            if tid is None:
+                tid = tids[form] = len(reps)
+                reps.append(form)
+            instances.append((tid, nums, ranks))
+        if best is None or len(reps) < len(best[0]):
+            best = reps, instances
+    reps, instances = best
     if len(reps) == len(instances):
         return None
     templates = []
@@ -359,29 +378,32 @@ class TemplatedPlan(Plan):
         """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
         return _templated_messages(self, rank)
 
-    def _index_in(self, inst: tuple, rank: int | None):
-        """Rank indices of ``inst`` to make: all, or the one of ``rank`` (none when it is not in it)."""
-        ranks = inst[2]
+    def _index_in(self, i: int, rank: int | None):
+        """Rank indices of instance ``i`` to make: all, or the one of ``rank`` (none when it is not in it)."""
+        ranks = self.instances[i][2]
         if rank is None:
             return range(len(ranks))
-        j = bisect_left(ranks, rank)
-        return (j,) if j < len(ranks) and ranks[j] == rank else ()
+        index = self._cache.get("index")
+        if index is None:       # per instance: rank -> its index (a rotated instance's ranks are not sorted)
+            index = self._cache["index"] = [{r: j for j, r in enumerate(rs)} for _, _, rs in self.instances]
+        j = index[i].get(rank)
+        return () if j is None else (j,)
 
     def _local(self, rank: int | None) -> list[Copy]:
         out = []
-        for inst in self.instances:
+        for i, inst in enumerate(self.instances):
             t = self.templates[inst[0]]
-            for j in self._index_in(inst, rank):
+            for j in self._index_in(i, rank):
                 out.extend(self._copy(c, inst, -1) for c in t.local_of.get(j, ()))
         out.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
         return out
 
     def _padding(self, rank: int | None) -> list:
         out = []
-        for inst in self.instances:
+        for i, inst in enumerate(self.instances):
             t = self.templates[inst[0]]
             nd, ranks = inst[1][2], inst[2]
-            for j in self._index_in(inst, rank):
+            for j in self._index_in(i, rank):
                 out.extend((ranks[j], self.name(b, nd), box) for b, box in t.pad_of.get(j, ()))
         out.sort(key=lambda x: (x[0], x[1]))
         return out
@@ -395,7 +417,7 @@ def _templated_messages(self: "TemplatedPlan", rank: int | None) -> list[Message
         if rank is None:
             qs = range(len(t.msgs))
         else:
-            j = self._index_in(inst, rank)
+            j = self._index_in(i, rank)
             if not j:
                 continue
             qs = t.of_index.get(j[0], ())
@@ -508,7 +530,8 @@ def _templated_stats(self: "TemplatedPlan") -> dict:
 
 def _check_placement(templates: list[_Template], instances: list, placement: list, rounds) -> None:
     """A received placement's shape: one global round in [0, rounds) per template message of each
-    instance, and increasing ranks for every rank index of its template."""
+    instance, and distinct ranks for every rank index of its template (a rotated instance's are
+    not sorted)."""
     if not isinstance(rounds, int) or rounds < 0:
         raise PlanError(f"templated plan: rounds {rounds!r} is not a count")
     if len(placement) != len(instances):
@@ -520,10 +543,10 @@ def _check_placement(templates: list[_Template], instances: list, placement: lis
         if len(gi) != want or not all(isinstance(g, int) and 0 <= g < rounds for g in gi):
             raise PlanError(f"templated plan: instance {i}'s placement is not {want} rounds in [0, {rounds})")
         ranks, need = instances[i][2], templates[tid].nranks
-        if (len(ranks) < need or not all(isinstance(r, int) and r >= 0 for r in ranks)
-                or any(a >= b for a, b in zip(ranks, ranks[1:]))):
+        if (len(ranks) < need or not all(type(r) is int and r >= 0 for r in ranks)
+                or len(set(ranks)) != len(ranks)):
             raise PlanError(f"templated plan: instance {i}'s ranks {list(ranks)[:8]} are not {need} or more "
-                            "increasing ranks")
+                            "distinct ranks")
 
 
 def part_of(plan: TemplatedPlan, rank: int) -> Plan:
