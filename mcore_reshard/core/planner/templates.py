@@ -5,9 +5,10 @@ and holders up to the layer number in the names and the ranks of their pipeline 
 grouped by the layer number in their name (``layers.<n>.``; no number: one "rest" group), every
 buffer goes with the group of its pieces, and each group is put in canonical form: names with the
 layer number replaced by a mark, ranks replaced by their index among the group's sorted ranks
-(colocated jobs: also tried rotated, ``(rank - the group's lowest source rank) % ranks``, so that
-the pipeline stages of a training job whose inference replicas repeat every stage width share one
-template; the orientation with fewer templates is kept, ties the sorted one).
+(where that leaves more templates than distinct tensor sets, also tried rotated: in the order of
+``(rank - the group's lowest source rank) % ranks``, so that the pipeline stages of a job whose
+inference replicas repeat every stage width share one template; the orientation with fewer
+templates is kept, ties the sorted one).
 Groups with the same canonical form share one *template*, planned once by the ordinary planner on
 the canonical layouts; an *instance* is (template, layer numbers, ranks), and a copy of the
 instance is the template's copy with the names re-numbered and the rank indices mapped to ranks.
@@ -238,6 +239,22 @@ class _Template:
             self.pad_of[r].append((b, box))
 
 
+def _instances(groups: dict, src: Layout, dst: Layout, forms: _Forms, span: int | None) -> tuple[list, list]:
+    """(canonical forms of the templates, instances (template id, layer numbers, ranks)), the
+    groups in layer order (the unnumbered one first); ``span``: rank indices rotated (:func:`_signature`)."""
+    tids: dict[tuple, int] = {}
+    reps: list[tuple] = []
+    instances: list[tuple[int, tuple, tuple]] = []
+    for g in sorted(groups, key=lambda k: (k is not None, k or 0)):
+        form, nums, ranks = _signature(g, groups[g], src, dst, forms, span)
+        tid = tids.get(form)
+        if tid is None:
+            tid = tids[form] = len(reps)
+            reps.append(form)
+        instances.append((tid, nums, ranks))
+    return reps, instances
+
+
 def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, allow_cast: bool,
                    plan_fn) -> "TemplatedPlan | None":
     """The templated plan, or None when templates would not help (no geometry repeats) or do not
@@ -246,26 +263,15 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
     if groups is None or len(groups) < 2:
         return None
     forms = _Forms()
-    # colocated (a rank on both sides): the stages' groups may also match rotated (see _signature);
-    # the orientation with fewer templates wins, ties the plain one
-    spans = [None]
-    if not set(src.buffers).isdisjoint(dst.buffers):
-        spans.append(1 + max(max(src.buffers), max(dst.buffers)))
-    best = None
-    for span in spans:
-        tids: dict[tuple, int] = {}
-        reps: list[tuple] = []
-        instances: list[tuple[int, tuple, tuple]] = []
-        for g in sorted(groups, key=lambda k: (k is not None, k or 0)):
-            form, nums, ranks = _signature(g, groups[g], src, dst, forms, span)
-            tid = tids.get(form)
-            if tid is None:
-                tid = tids[form] = len(reps)
-                reps.append(form)
-            instances.append((tid, nums, ranks))
-        if best is None or len(reps) < len(best[0]):
-            best = reps, instances
-    reps, instances = best
+    reps, instances = _instances(groups, src, dst, forms, None)
+    # rank indices only: groups whose tensors differ never share a template, rotated or not; where
+    # the sorted order gives more templates than that, the pipeline stages may match rotated
+    # (see _signature): the orientation with fewer templates wins, ties the sorted one
+    if len(reps) > len({tuple(side[1] for side in form) for form in reps}):
+        span = 1 + max(max(src.buffers, default=0), max(dst.buffers, default=0))
+        rotated = _instances(groups, src, dst, forms, span)
+        if len(rotated[0]) < len(reps):
+            reps, instances = rotated
     if len(reps) == len(instances):
         return None
     templates = []
