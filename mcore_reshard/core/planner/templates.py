@@ -557,15 +557,42 @@ def _check_placement(templates: list[_Template], instances: list, placement: lis
 
 def part_of(plan: TemplatedPlan, rank: int) -> Plan:
     """``rank``'s own part of a templated plan, made from the templates alone (no other rank's copies);
-    buffer metadata for ``rank`` and the peers its messages name.  Its :attr:`Plan.hash` is the whole plan's."""
+    buffer metadata: all of ``rank``'s, and of each peer the buffers its messages with ``rank`` name
+    (what :func:`validate_plan` checks them against).  Its :attr:`Plan.hash` is the whole plan's."""
     messages = plan._messages(rank)
     local = plan._local(rank)
     padding = plan._padding(rank)
-    peers = {rank} | {m.src for m in messages} | {m.dst for m in messages}
-    part = Plan(plan.tensors, _templated_buffers(plan, peers), messages, local, padding, plan.budget_bytes, plan.rounds)
+    buffers = _templated_buffers(plan, {rank})
+    for side, r, name, meta in _peer_buffers(plan, rank):
+        buffers[side].setdefault(r, {})[name] = meta
+    for side in buffers:
+        buffers[side] = {r: dict(sorted(b.items())) for r, b in sorted(buffers[side].items())}
+    part = Plan(plan.tensors, buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
     part.stats = {"rank": rank}
     part.__dict__["_whole"] = plan
     return part
+
+
+def _peer_buffers(plan: TemplatedPlan, rank: int):
+    """(side, peer, buffer name, [shape, dtype]) of every peer buffer a message of ``rank`` names:
+    per template message, the (end, side, canonical name) of the buffers its entries read and
+    write, made once per template; then renamed per instance."""
+    name = plan.name
+    for i, (tid, nums, ranks) in enumerate(plan.instances):
+        js = plan._index_in(i, rank)
+        if not js:
+            continue
+        t = plan.templates[tid]
+        refs = t.__dict__.get("refs")
+        if refs is None:        # per message: ((index, side, canonical buffer name), ...) of both ends
+            refs = t.__dict__["refs"] = [tuple(sorted(
+                {(m.src, "dst" if m.forward else "src", c.src_buffer) for c in m.entries}
+                | {(m.dst, "dst", c.dst_buffer) for c in m.entries})) for m in t.msgs]
+        tb = t.plan.buffers
+        for q in t.of_index.get(js[0], ()):
+            for j, side, cname in refs[q]:
+                if j != js[0]:
+                    yield side, ranks[j], name(cname, nums[1] if side == "src" else nums[2]), tb[side][j][cname]
 
 
 PLAN_FORMATS[TEMPLATE_VERSION] = TemplatedPlan.from_json
