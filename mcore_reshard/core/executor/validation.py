@@ -147,9 +147,12 @@ def check_layouts(plan: Plan, rank: int, src_layout, dst_layout) -> list[str]:
 
 def own_part(plan: Plan, rank: int) -> tuple[Plan, list[str]]:
     """(what ``rank`` binds, problems): a templated plan's part of ``rank`` (from its templates alone),
-    any other plan as it is; a part that cannot be made is a problem (the plan itself then)."""
+    unless the caller already made its whole views (``messages``, ``local_copies``, ``padding`` or
+    ``buffers``: those are then what is checked and bound, as they are, edits included); any other
+    plan as it is.  A part that cannot be made is a problem (the plan itself then)."""
     part = getattr(plan, "part", None)
-    if part is None:
+    cache = getattr(plan, "_cache", {})
+    if part is None or any(k in cache for k in ("messages", "local", "padding", "buffers")):
         return plan, []
     try:
         return part(rank), []
