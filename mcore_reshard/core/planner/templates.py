@@ -54,18 +54,34 @@ def _canon(name: str, n: int | None) -> str:
     return name if n is None else name.replace(f"layers.{n}.", f"layers.{MARK}.")
 
 
+class _Renamed(dict):
+    """Canonical name -> real name for one layer number ``n``, filled on first use."""
+    __slots__ = ("n",)
+
+    def __init__(self, n: int | None):
+        super().__init__()
+        self.n = n
+
+    def __missing__(self, canon: str) -> str:
+        got = self[canon] = canon if self.n is None or MARK not in canon else canon.replace(MARK, str(self.n))
+        return got
+
+
 class _Namer:
-    """Canonical name + layer number -> real name, cached (the same few names recur per layer)."""
+    """Canonical name + layer number -> real name, cached (the same few names recur per layer):
+    one :class:`_Renamed` table per layer number."""
 
     def __init__(self):
-        self.cache: dict[tuple[str, int | None], str] = {}
+        self.tables: dict[int | None, _Renamed] = {}
+
+    def table(self, n: int | None) -> _Renamed:
+        got = self.tables.get(n)
+        if got is None:
+            got = self.tables[n] = _Renamed(n)
+        return got
 
     def __call__(self, canon: str, n: int | None) -> str:
-        key = (canon, n)
-        got = self.cache.get(key)
-        if got is None:
-            got = self.cache[key] = canon if n is None or MARK not in canon else canon.replace(MARK, str(n))
-        return got
+        return self.table(n)[canon]
 
 
 def _groups(src: Layout, dst: Layout) -> dict | None:
@@ -374,11 +390,18 @@ class TemplatedPlan(Plan):
         return sorted({r for _, _, ranks in self.instances for r in ranks})
 
     # -------------------------------------------------------------- instantiation
-    def _copy(self, c: Copy, inst: tuple, offset: int) -> Copy:
+    def _copies(self, copies, inst: tuple, base: int | None) -> list[Copy]:
+        """The template's ``copies`` of instance ``inst``: names re-numbered, rank indices mapped,
+        offsets shifted by ``base`` (None: offset -1, local copies)."""
         _, (nt, ns, nd), ranks = inst
-        name = self.name
-        return _tuple_new(Copy, (name(c.tensor, nt), c.box, ranks[c.src], name(c.src_buffer, ns), c.src_local,
-                                 ranks[c.dst], name(c.dst_buffer, nd), c.dst_local, c.nbytes, offset))
+        table = self.name.table
+        tt, ts, td = table(nt), table(ns), table(nd)
+        new = _tuple_new
+        if base is None:
+            return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, -1))
+                    for t, box, s, sb, sl, d, db, dl, nb, _ in copies]
+        return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, base + off))
+                for t, box, s, sb, sl, d, db, dl, nb, off in copies]
 
     def _messages(self, rank: int | None) -> list[Message]:
         """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
@@ -400,7 +423,7 @@ class TemplatedPlan(Plan):
         for i, inst in enumerate(self.instances):
             t = self.templates[inst[0]]
             for j in self._index_in(i, rank):
-                out.extend(self._copy(c, inst, -1) for c in t.local_of.get(j, ()))
+                out.extend(self._copies(t.local_of.get(j, ()), inst, None))
         out.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
         return out
 
@@ -457,7 +480,7 @@ def _templated_messages(self: "TemplatedPlan", rank: int | None) -> list[Message
         if e is None:
             e = merged[key] = [0, []]
         base = e[0]
-        e[1].extend(self._copy(c, inst, base + c.offset) for c in m.entries)
+        e[1].extend(self._copies(m.entries, inst, base))
         e[0] = base + m.nbytes
     if cur is not None:
         flush(cur)
