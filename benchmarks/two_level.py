@@ -32,7 +32,8 @@ def _numbers(plan, topo, plan_s: float) -> dict:
             "max_nic_in": p["max_nic_in"], "max_nic_out": p["max_nic_out"],
             "max_nvlink_in": p["max_nvlink_in"], "max_nvlink_out": p["max_nvlink_out"],
             "max_stage_bytes": plan.stats["max_stage_bytes"],
-            "predicted_s": p["seconds"], "link_bound_s": p["link_bound_s"],
+            "predicted_s": p["seconds"], "paced_s": p["paced_s"], "link_bound_s": p["link_bound_s"],
+            "paced_over_link_bound": p["paced_s"] / p["link_bound_s"] if p["link_bound_s"] else None,
             "predicted_over_link_bound": p["seconds"] / p["link_bound_s"] if p["link_bound_s"] else None}
 
 
