@@ -10,7 +10,10 @@ from the templates alone for a templated plan), and each as a ratio to the loop
 ``s = 0; for i in range(10_000_000): s += i`` inside a function (the best of 3, before and after).
 ``--classic``: the copy-by-copy planner (``templates=False``); ``--always``: the templated plan
 even where its rounds exceed ``ROUND_SLACK`` x the fewest possible (``templates="always"``).  ``--hash``: also the plan hash and
-its time.  ``--check``: also ``validate_plan`` of the busiest rank's part.
+its time.  ``--check``: also ``validate_plan`` of the busiest rank's part (with the part: what a
+``Resharder`` does at bind on that rank).  ``--whole`` (templated plans): also, last, every rank's
+views made and that rank checked against the whole plan (what binding cost before parts), its
+time and resident memory added.
 Configurations: those of ``mcore_reshard.tools.bench`` and ``fp8_tp8``.
 """
 import gc
@@ -57,7 +60,7 @@ def build(name: str):
     return conf.build(conf.model() if hasattr(conf, "model") else dsv3_671b())
 
 
-def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = False) -> dict:
+def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = False, whole: bool = False) -> dict:
     t0 = time.perf_counter()
     src, dst = build(name)
     layout_s = time.perf_counter() - t0
@@ -97,6 +100,31 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
             t0 = time.perf_counter()
             out["part_problems"] = len(validate_plan(part, busiest))
             out["check_s"] = round(time.perf_counter() - t0, 3)
+        if whole and isinstance(plan, TemplatedPlan):
+            # what binding that rank cost before the Resharder bound parts: every rank's views made,
+            # then the rank checked against the whole plan (after everything else: it grows the heap)
+            import tracemalloc
+            del part
+            gc.collect()
+            t0 = time.perf_counter()
+            plan.messages, plan.local_copies, plan.padding, plan.buffers
+            out["whole_views_s"] = round(time.perf_counter() - t0, 3)
+            problems = validate_plan(plan, busiest)
+            out["whole_check_s"] = round(time.perf_counter() - t0, 3)
+            out["whole_problems"] = len(problems)
+            # memory, traced (Python's own allocations: resident memory misses what reuses freed arenas),
+            # the part's and the whole's, each made again from scratch
+            for key, make in (("part_traced_mib", lambda: validate_plan(plan_part(plan, busiest), busiest)),
+                              ("whole_traced_mib", lambda: (plan.messages, plan.local_copies, plan.padding,
+                                                            plan.buffers, validate_plan(plan, busiest)))):
+                for k in ("messages", "local", "padding", "buffers"):
+                    plan._cache.pop(k, None)
+                gc.collect()
+                tracemalloc.start()
+                got = make()
+                out[key] = round(tracemalloc.get_traced_memory()[1] / 2**20)
+                tracemalloc.stop()
+                del got
     if want_hash:
         t0 = time.perf_counter()
         out["hash"] = plan.hash[:16]
@@ -105,7 +133,7 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
     ref, ref_cpu = min(before[0], after[0]), min(before[1], after[1])
     out["loop_s"] = [round(before[0], 3), round(after[0], 3)]
     out["loop_cpu_s"] = round(ref_cpu, 3)
-    for k in ("plan_s", "part_s", "hash_s", "check_s"):
+    for k in ("plan_s", "part_s", "hash_s", "check_s", "whole_check_s"):
         if k in out:
             out[k.replace("_s", "_x_loop")] = round(out[k] / ref, 2)
     out["plan_cpu_x_loop_cpu"] = round(plan_cpu / ref_cpu, 2)
@@ -115,5 +143,6 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
 if __name__ == "__main__":
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     for name in [a for a in sys.argv[1:] if not a.startswith("--")]:
-        print(json.dumps(run(name, "--classic" in flags, "--hash" in flags, "--check" in flags, "--always" in flags)),
+        print(json.dumps(run(name, "--classic" in flags, "--hash" in flags, "--check" in flags, "--always" in flags,
+                             "--whole" in flags)),
               flush=True)

@@ -32,7 +32,8 @@ def _numbers(plan, topo, plan_s: float) -> dict:
             "max_nic_in": p["max_nic_in"], "max_nic_out": p["max_nic_out"],
             "max_nvlink_in": p["max_nvlink_in"], "max_nvlink_out": p["max_nvlink_out"],
             "max_stage_bytes": plan.stats["max_stage_bytes"],
-            "predicted_s": p["seconds"], "link_bound_s": p["link_bound_s"],
+            "predicted_s": p["seconds"], "paced_s": p["paced_s"], "link_bound_s": p["link_bound_s"],
+            "paced_over_link_bound": p["paced_s"] / p["link_bound_s"] if p["link_bound_s"] else None,
             "predicted_over_link_bound": p["seconds"] / p["link_bound_s"] if p["link_bound_s"] else None}
 
 
@@ -71,16 +72,19 @@ def table(paths: list[str]) -> str:
     """The BENCHMARKS.md A.2 table of saved results."""
     gb = 1e9
     rows = ["| config (topology) | NIC GB flat | NIC GB two-level | hierarchical bound GB | NVLink GB (forwarded) | "
-            "rounds flat → two-level | predicted s flat → two-level | link bound s (two-level) | predicted / link bound | "
-            "plan s flat / two-level |", "|---" * 10 + "|"]
+            "rounds flat → two-level | predicted s flat → two-level | paced s flat → two-level | link bound s (two-level) | "
+            "predicted / link bound | paced / link bound | plan s flat / two-level |", "|---" * 12 + "|"]
     for p in paths:
         r = json.loads(Path(p).read_text())
         f, t = r["flat"], r["two_level"]
         rows.append(f"| {r['name']} ({r['topology']}, {r['gpus_per_domain']}/domain) | {f['nic_bytes'] / gb:,.1f} | "
                     f"**{t['nic_bytes'] / gb:,.1f}** | {t['hierarchical_bound_bytes'] / gb:,.1f} | "
                     f"{t['nvlink_bytes'] / gb:,.1f} ({t['forwarded_bytes'] / gb:,.1f}) | {f['rounds']} → {t['rounds']} | "
-                    f"{f['predicted_s']:.3f} → **{t['predicted_s']:.3f}** | {t['link_bound_s']:.3f} | "
-                    f"{t['predicted_over_link_bound']:.2f}x | {f['plan_s']:.1f} / {t['plan_s']:.1f} |")
+                    f"{f['predicted_s']:.3f} → **{t['predicted_s']:.3f}** | "
+                    + (f"{f['paced_s']:.3f} → **{t['paced_s']:.3f}** | " if "paced_s" in t else "— | ")
+                    + f"{t['link_bound_s']:.3f} | {t['predicted_over_link_bound']:.2f}x | "
+                    + (f"{t['paced_over_link_bound']:.2f}x | " if "paced_s" in t else "— | ")
+                    + f"{f['plan_s']:.1f} / {t['plan_s']:.1f} |")
     return "\n".join(rows)
 
 

@@ -49,8 +49,10 @@ def _verdict(pj: dict, src=SRC, dst=DST, full=FULL, world: int = 2) -> tuple[str
     D = {r: aw.cut(dst, r, full, fill=7) for r in ranks}
     with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
         for r in ranks:
-            try:
-                errs = validation.check_binding(plan, r, world, None, S[r], D[r], None, layouts=(src, dst))
+            try:    # as the Resharder does: a templated plan is checked (and bound) through r's own part
+                part, errs = validation.own_part(plan, r)
+                errs = errs or validation.check_binding(part, r, world, None, S[r], D[r], None, layouts=(src, dst),
+                                                        ranks=plan.ranks)
             except Exception as e:  # noqa: BLE001 - the executor reports a crashed check as a refusal too
                 errs = [f"validation failed: {type(e).__name__}: {e}"]
             if errs:

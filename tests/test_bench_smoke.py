@@ -149,3 +149,25 @@ def test_live_one_rep_tiny():
     assert all(e["median_s"] > 0 for e in m.values() if "median_s" in e)
     table = bench.markdown_live([row])
     assert "| tiny" in table and "| floor |" in table and "n/a (bare transport)" in table
+
+
+def test_costmodel_paced_hand_checked():
+    """Round by round a round lasts as long as its slowest rank; paced, ranks that do not exchange
+    with the slow pair go on (the docstring example of ``costmodel.paced``)."""
+    from types import SimpleNamespace as NS
+    topo = costmodel.dgx_h100().with_(msg_latency_s=0.0, round_latency_s=0.0, hbm_bw=float("inf"))
+    gb = 10 ** 9
+
+    def msg(k, s, d, n):
+        return NS(round=k, src=s, dst=d, entries=[NS(nbytes=n)])
+    plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 24, gb // 10), msg(1, 16, 24, gb)], local_copies=[])
+    assert costmodel.predict(plan, topo)["seconds"] == pytest.approx(0.040)
+    assert costmodel.paced(plan, topo) == pytest.approx(0.022)
+    # a message of round 1 between a fast and a slow rank starts when the slow one is done: 20 + 20 ms
+    plan.messages[2] = msg(1, 16, 8, gb)
+    assert costmodel.paced(plan, topo) == pytest.approx(0.040)
+    # two messages into one receiver share its NIC in-queue (40 ms); NVLink (same node) is separate
+    plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 8, gb), msg(0, 9, 8, 45 * gb // 10)], local_copies=[])
+    assert costmodel.paced(plan, topo) == pytest.approx(0.040)
+    topo2 = topo.with_(msg_latency_s=1e-3, round_latency_s=1e-2)
+    assert costmodel.paced(plan, topo2) == pytest.approx(0.040 + 1e-3 + 1e-2)

@@ -85,3 +85,15 @@ def test_overlapped_and_batched_paths():
         # with _DIRECT_MIN lowered every kind of part occurs somewhere
         tot = {k: sum(r[case]["overlapped"][k] for r in results) for k in ("direct", "alone", "grouped")}
         assert tot["direct"] > 0 and tot["alone"] + tot["grouped"] > 0, tot
+
+
+def test_templated_plan_bound_through_each_ranks_part():
+    """4 gloo ranks, a templated plan (one template rotated across two colocated pipeline stages):
+    every rank binds its own part (the whole plan's messages, copies and buffers are never made),
+    two refits bit-exact, messages sent and rounds bound = the part's."""
+    results = spawn(workers.templated_parts, 4, timeout=300)
+    for r in results:
+        assert r["templates"] == 1 and r["rotated"], r
+        assert r["exact"] and r["whole_made"] == [], r
+        assert r["sent"] == [r["expected_sent"]] * 2 and r["expected_sent"] > 0, r
+        assert r["rounds_bound"] == r["expected_rounds"] > 0, r

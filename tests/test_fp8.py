@@ -362,7 +362,7 @@ def _alone(src, dst, plan: Fp8Plan, memory: int):
     from mcore_reshard.fp8.groups import _make_groups
     from mcore_reshard.fp8.layout import scale_name
     from mcore_reshard.fp8.regions import plan_regions, restrict
-    from mcore_reshard.core.planner.templates import _number
+    from mcore_reshard.core.planner.forms import _number
     out = []
     for _, _, k in plan.groups.instances:
         names = sorted(n for n in plan.quantized if _number(n) == k)

@@ -96,3 +96,31 @@ def overlap_paths(rank: int, world: int, cases: list) -> list:
             dist.barrier()
         out.append(res)
     return out
+
+
+def templated_parts(rank: int, world: int) -> dict:
+    """A colocated pipeline (tests/test_planner_templates._colocated_stages: 2 stages on 4 ranks,
+    one template rotated across them) refit twice through a Resharder: bit-exact, and the whole
+    plan's messages, copies and buffers are never made on this rank (it binds its own part)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_planner_templates import _colocated_stages
+    from mcore_reshard.core.planner import TemplatedPlan, plan_part
+    src, dst = _colocated_stages(stages=world // 2)
+    plan = make_plan(src, dst, budget_bytes=1024, templates="always")
+    assert isinstance(plan, TemplatedPlan)
+    out = {"templates": plan.stats["templates"], "rotated": any(list(r) != sorted(r) for _, _, r in plan.instances)}
+    full = {n: reference_tensor(n, m.shape) for n, m in src.tensors.items()}
+    S, D = materialize(src, rank, full), materialize(dst, rank, full, fill=7.0)
+    r = Resharder(plan, S, D)
+    sent = [r.refit()["messages_sent"] for _ in range(2)]
+    expect = materialize(dst, rank, full)
+    out["exact"] = all(torch.equal(D[n], expect[n]) for n in expect)
+    out["whole_made"] = sorted(k for k in ("messages", "local", "padding", "buffers") if k in plan._cache)
+    part = plan_part(plan, rank)
+    out["sent"] = sent
+    out["expected_sent"] = sum(1 for m in part.messages if m.src == rank)
+    out["rounds_bound"] = len(r.rounds)
+    out["expected_rounds"] = len({m.round for m in part.messages})
+    return out

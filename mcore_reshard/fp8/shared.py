@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 from ..core.layout import Buffer, Layout
 from ..core.planner import Message, Plan, PlanError
 from ..core.planner.plan import _copy, paused_gc
-from ..core.planner.templates import MARK, _number
+from ..core.planner.forms import MARK, _number
 from .groups import Fp8Group
 from .layout import scale_name
 from .regions import Region

@@ -16,7 +16,7 @@ from .common import check_timeout, group_device, group_timeout
 from .errors import ReshardError
 from .handshake import agree, group_guard
 from .transfer import run_refit
-from .validation import check_binding
+from .validation import check_binding, own_part
 
 
 class Resharder:
@@ -61,7 +61,11 @@ class Resharder:
         self.src = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
         self.dst = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
         self.version = 0                   # last refit version confirmed complete
-        self._buffer_version: dict[str, int | None] = {n: None for n in plan.buffers["dst"].get(self.rank, {})}
+        # a templated plan is bound through this rank's own part, made from its templates alone (no
+        # other rank's copies are ever made here); its hash, what the handshake compares, is the whole plan's
+        self._part, errors = own_part(plan, self.rank)
+        self._buffer_version: dict[str, int | None] = {} if errors else {
+            n: None for n in self._part.buffers["dst"].get(self.rank, {})}
         self._interrupted: dict | None = None
         self._sources_changed = False
         self._dirty = False                # an interrupted refit may have left operations pending on the group
@@ -70,7 +74,7 @@ class Resharder:
         self._digest = plan.hash
         # the binding id: rank 0's random token, agreed in the handshake; every refit start
         # compares it, so two Resharders over one group can never exchange each other's bytes
-        errors = self._validate()
+        errors = errors or self._validate()
         if not errors:
             try:     # views and staging before the handshake: a failure here (memory) reaches every rank
                 self._bind()
@@ -92,13 +96,13 @@ class Resharder:
 
     def _validate(self) -> list[str]:
         try:
-            return check_binding(self.plan, self.rank, self.world, self.group, self.src, self.dst, self.overlap,
-                                 self._shared_staging, self._layouts)
+            return check_binding(self._part, self.rank, self.world, self.group, self.src, self.dst, self.overlap,
+                                 self._shared_staging, self._layouts, ranks=self.plan.ranks)
         except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
             return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
 
     def _bind(self) -> None:
-        b = bind(self.plan, self.rank, self.src, self.dst, verify=self.verify, staging=self._shared_staging,
+        b = bind(self._part, self.rank, self.src, self.dst, verify=self.verify, staging=self._shared_staging,
                  device=self._device(), dst_names=list(self._buffer_version))
         self.local, self.padding, self.staging = b.local, b.padding, b.staging
         self.rounds, self.round_numbers = b.rounds, b.round_numbers

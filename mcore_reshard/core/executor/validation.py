@@ -145,11 +145,28 @@ def check_layouts(plan: Plan, rank: int, src_layout, dst_layout) -> list[str]:
     return errors
 
 
+def own_part(plan: Plan, rank: int) -> tuple[Plan, list[str]]:
+    """(what ``rank`` binds, problems): a templated plan's part of ``rank`` (from its templates alone),
+    unless the caller already made its whole views (``messages``, ``local_copies``, ``padding`` or
+    ``buffers``: those are then what is checked and bound, as they are, edits included); any other
+    plan as it is.  A part that cannot be made is a problem (the plan itself then)."""
+    part = getattr(plan, "part", None)
+    cache = getattr(plan, "_cache", {})
+    if part is None or any(k in cache for k in ("messages", "local", "padding", "buffers")):
+        return plan, []
+    try:
+        return part(rank), []
+    except Exception as e:  # noqa: BLE001 - a crash on a tampered plan must still reach every rank
+        return plan, [f"rank {rank}: the plan's part of this rank cannot be made: {type(e).__name__}: {str(e)[:300]}"]
+
+
 def check_binding(plan: Plan, rank: int, world: int, group, src: Mapping[str, torch.Tensor],
-                  dst: Mapping[str, torch.Tensor], overlap: bool | None, staging=None, layouts=None) -> list[str]:
-    """Every problem that makes binding ``plan`` on ``rank`` unsafe ([] when sound)."""
+                  dst: Mapping[str, torch.Tensor], overlap: bool | None, staging=None, layouts=None,
+                  ranks=None) -> list[str]:
+    """Every problem that makes binding ``plan`` (the whole plan, or this rank's part of it) on
+    ``rank`` unsafe ([] when sound); ``ranks``: the whole plan's ranks (default: ``plan.ranks``)."""
     errors = []
-    outside = [q for q in plan.ranks if not 0 <= q < world]
+    outside = [q for q in (plan.ranks if ranks is None else ranks) if not 0 <= q < world]
     if outside:
         errors.append(f"rank {rank}: plan ranks {outside[:8]}{' ...' if len(outside) > 8 else ''} are outside the "
                       f"process group of {world} rank(s) ({group_ranks_hint(world)})")

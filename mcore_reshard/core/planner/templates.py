@@ -4,7 +4,11 @@ A full-size model repeats one geometry: 58 of DeepSeek-V3's 61 layers have the s
 and holders up to the layer number in the names and the ranks of their pipeline stage.  Tensors are
 grouped by the layer number in their name (``layers.<n>.``; no number: one "rest" group), every
 buffer goes with the group of its pieces, and each group is put in canonical form: names with the
-layer number replaced by a mark, ranks replaced by their index among the group's sorted ranks.
+layer number replaced by a mark, ranks replaced by their index among the group's sorted ranks
+(where that leaves more templates than distinct tensor sets, also tried rotated: in the order of
+``(rank - the group's lowest source rank) % ranks``, so that the pipeline stages of a job whose
+inference replicas repeat every stage width share one template; the orientation with fewer
+templates is kept, ties the sorted one).
 Groups with the same canonical form share one *template*, planned once by the ordinary planner on
 the canonical layouts; an *instance* is (template, layer numbers, ranks), and a copy of the
 instance is the template's copy with the names re-numbered and the rank indices mapped to ranks.
@@ -27,215 +31,44 @@ part without anyone else's (:func:`part_of`).
 """
 from __future__ import annotations
 
-import re
-from bisect import bisect_left
 from collections import defaultdict
 
-from ..box import Box, unchecked_box
-from ..layout import Buffer, Layout, Piece, TensorMeta
+from ..layout import Layout
+from .forms import MARK, _canonical_layouts, _Forms, _groups, _instances, _layer_of
 from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new, paused_gc
 from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 
-LAYER = re.compile(r"layers\.(\d+)\.")
-MARK = "\x00"               # stands for the layer number in a canonical name
 TEMPLATE_VERSION = 3
 
 
-def _number(name: str) -> int | None:
-    m = LAYER.search(name)
-    return int(m.group(1)) if m else None
+class _Renamed(dict):
+    """Canonical name -> real name for one layer number ``n``, filled on first use."""
+    __slots__ = ("n",)
 
+    def __init__(self, n: int | None):
+        super().__init__()
+        self.n = n
 
-def _canon(name: str, n: int | None) -> str:
-    """``name`` with ``layers.<n>.`` replaced by the mark (unchanged when n is None or absent)."""
-    return name if n is None else name.replace(f"layers.{n}.", f"layers.{MARK}.")
+    def __missing__(self, canon: str) -> str:
+        got = self[canon] = canon if self.n is None or MARK not in canon else canon.replace(MARK, str(self.n))
+        return got
 
 
 class _Namer:
-    """Canonical name + layer number -> real name, cached (the same few names recur per layer)."""
+    """Canonical name + layer number -> real name, cached (the same few names recur per layer):
+    one :class:`_Renamed` table per layer number."""
 
     def __init__(self):
-        self.cache: dict[tuple[str, int | None], str] = {}
+        self.tables: dict[int | None, _Renamed] = {}
+
+    def table(self, n: int | None) -> _Renamed:
+        got = self.tables.get(n)
+        if got is None:
+            got = self.tables[n] = _Renamed(n)
+        return got
 
     def __call__(self, canon: str, n: int | None) -> str:
-        key = (canon, n)
-        got = self.cache.get(key)
-        if got is None:
-            got = self.cache[key] = canon if n is None or MARK not in canon else canon.replace(MARK, str(n))
-        return got
-
-
-def _layer_of(src: Layout, dst: Layout) -> dict[str, int | None]:
-    """Every tensor name of either side -> its layer number (None: no ``layers.<n>.``)."""
-    return {name: _number(name) for name in set(src.tensors) | set(dst.tensors)}
-
-
-def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict | None:
-    """group key (layer number or None) -> {"src"|"dst": [(rank, (buffer names, Buffers, their
-    ids))]}, the buffers of each rank in name order, or None when a buffer holds tensors of two
-    groups (nothing to template then).  Ranks with the same buffers (replicas) share one tuple
-    per group.  ``layer_of``: tensor name -> its layer number (:func:`_layer_of`)."""
-    out: dict = defaultdict(lambda: {"src": [], "dst": []})
-    group_of: dict[int, object] = {}        # id(buffer) -> its group
-    profiles: dict[tuple, dict] = {}
-    bad = object()
-    gget = group_of.get
-    for side, lay in (("src", src), ("dst", dst)):
-        for r in sorted(lay.buffers):
-            bufs = lay.buffers[r]
-            names = sorted(bufs)
-            vals = list(map(bufs.__getitem__, names))
-            ids = tuple(map(id, vals))
-            key = (tuple(names), ids)
-            prof = profiles.get(key)
-            if prof is None:
-                gs = [gget(i, bad) for i in ids]
-                for k, g in enumerate(gs):
-                    if g is bad:        # a buffer not seen before: the one layer number of its pieces
-                        pcs = vals[k].pieces
-                        g = layer_of[pcs[0].tensor] if pcs else None
-                        for p in pcs:
-                            if layer_of[p.tensor] != g:
-                                return None
-                        gs[k] = group_of[ids[k]] = g
-                first = gs[0] if gs else None
-                if gs.count(first) == len(gs):      # one group: no split
-                    mine = {first: range(len(gs))} if gs else {}
-                else:
-                    mine = {}
-                    for k, g in enumerate(gs):
-                        at = mine.get(g)
-                        if at is None:
-                            at = mine[g] = []
-                        at.append(k)
-                prof = profiles[key] = {g: (tuple(map(names.__getitem__, at)), tuple(map(vals.__getitem__, at)),
-                                            tuple(map(ids.__getitem__, at))) for g, at in mine.items()}
-            for g, items in prof.items():
-                out[g][side].append((r, items))
-    return out
-
-
-class _Forms:
-    """Canonical forms of rank rows (a rank's buffers of one group), each given a small id.
-
-    A row's key is (its canonical buffer names, the form id of each buffer): a buffer's form
-    (shape, dtype, canonical pieces) is made and given an id once per Buffer object, and canonical
-    names are cached per layer number, so a row costs two lookups per buffer and one hash of two
-    flat tuples (not a hash of every piece of every buffer again)."""
-
-    def __init__(self, layer_of: dict[str, int | None]):
-        # tensor name -> its canonical name (a buffer's pieces are all of its group g = their
-        # tensors' layer number, so this is ``_canon(tensor, g)``)
-        self.tcanon = {t: _canon(t, n) for t, n in layer_of.items()}
-        self.ids: dict[tuple, int] = {}
-        self.rows: list[tuple] = []         # id -> (canonical buffer names, form ids)
-        self.row_of: dict[tuple, int] = {}  # (id(items), g, n) -> row id
-        self.fid: dict[int, int] = {}       # id(buffer) -> form id (buffers outlive the planning)
-        self.fids: dict[tuple, int] = {}    # form -> form id
-        self.forms: list[tuple] = []        # form id -> (shape, dtype, canonical pieces)
-        self.names: dict[int | None, dict[str, str]] = {}     # n -> name -> canonical name
-
-    def form(self, buf: Buffer) -> int:
-        tc = self.tcanon
-        f = (buf.shape, buf.dtype, tuple([(tc[p.tensor], p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes)
-                                          for p in buf.pieces]))
-        i = self.fids.get(f)
-        if i is None:
-            i = self.fids[f] = len(self.forms)
-            self.forms.append(f)
-        self.fid[id(buf)] = i
-        return i
-
-    def row(self, items: tuple, g, n) -> int:
-        key = (id(items), g, n)
-        got = self.row_of.get(key)
-        if got is None:
-            names = self.names.get(n)
-            if names is None:
-                names = self.names[n] = {}
-            bnames, bufs, ids = items
-            cn = list(map(names.get, bnames))
-            if None in cn:
-                cn = [c if c is not None else names.setdefault(b, _canon(b, n)) for c, b in zip(cn, bnames)]
-            fs = list(map(self.fid.get, ids))
-            if None in fs:
-                form = self.form
-                fs = [f if f is not None else form(buf) for f, buf in zip(fs, bufs)]
-            content = (tuple(cn), tuple(fs))
-            got = self.ids.get(content)
-            if got is None:
-                got = self.ids[content] = len(self.rows)
-                self.rows.append(content)
-            self.row_of[key] = got
-        return got
-
-
-def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms) -> tuple:
-    """(canonical form, layer numbers (tensors, src buffers, dst buffers), ranks) of one group."""
-    nums = [g]
-    for side in ("src", "dst"):
-        n = None
-        if g is not None:
-            for _, items in members[side]:
-                for bname in items[0]:
-                    n = _number(bname)
-                    if n is not None:
-                        break
-                if n is not None:
-                    break
-        nums.append(n)
-    ranks = sorted({r for side in ("src", "dst") for r, _ in members[side]})
-    idx = {r: i for i, r in enumerate(ranks)}
-    form = []
-    tcanon = forms.tcanon
-    for side, lay, n in (("src", src, nums[1]), ("dst", dst, nums[2])):
-        rows = []
-        names: set[str] = set()
-        seen: set[int] = set()
-        for r, items in members[side]:
-            rid = forms.row(items, g, n)
-            if rid not in seen:         # equal rows of one group hold the same tensors
-                seen.add(rid)
-                names.update([p.tensor for buf in items[1] for p in buf.pieces])
-            rows.append((idx[r], rid))
-        tm = lay.tensors
-        metas = tuple(sorted((tcanon[t], tm[t].shape, tm[t].dtype) for t in names))
-        form.append((tuple(rows), metas))
-    return tuple(form), tuple(nums), tuple(ranks)
-
-
-def _canonical_layouts(form: tuple, forms: _Forms) -> tuple[Layout, Layout]:
-    """The template's own layouts (canonical names, rank indices) from its canonical form; ranks
-    with the same row (replicas) share its Buffer objects, and so do ranks whose rows have a
-    buffer of the same name and form; equal boxes one Box (the pieces come from checked layouts:
-    no checks again)."""
-    out = []
-    boxes: dict[tuple, Box] = {}
-
-    def box(o: tuple, z: tuple) -> Box:
-        b = boxes.get((o, z))
-        if b is None:
-            b = boxes[(o, z)] = unchecked_box(o, z)
-        return b
-
-    for rows, metas in form:
-        lay = Layout({t: TensorMeta(t, shape, dt) for t, shape, dt in metas}, {})
-        built: dict[int, dict] = {}
-        made: dict[tuple[str, int], Buffer] = {}    # (canonical name, form id) -> its Buffer
-        for i, rid in rows:
-            mine = built.get(rid)
-            if mine is None:
-                mine = built[rid] = {}
-                for bname, f in zip(*forms.rows[rid]):
-                    b = made.get((bname, f))
-                    if b is None:       # rows differing in some buffers share the others
-                        shape, dtype, pieces = forms.forms[f]
-                        b = made[(bname, f)] = Buffer(bname, shape, dtype, tuple(
-                            Piece(t, box(bo, bs), box(lo, ls)) for t, bo, bs, lo, ls in pieces))
-                    mine[bname] = b
-            lay.buffers.setdefault(i, {}).update(mine)
-        out.append(lay)
-    return out[0], out[1]
+        return self.table(n)[canon]
 
 
 class _Template:
@@ -277,16 +110,16 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
     if groups is None or len(groups) < 2:
         return None
     forms = _Forms(layer_of)
-    tids: dict[tuple, int] = {}
-    reps: list[tuple] = []
-    instances: list[tuple[int, tuple, tuple]] = []
-    for g in sorted(groups, key=lambda k: (k is not None, k or 0)):
-        form, nums, ranks = _signature(g, groups[g], src, dst, forms)
-        tid = tids.get(form)
-        if tid is None:
-            tid = tids[form] = len(reps)
-            reps.append(form)
-        instances.append((tid, nums, ranks))
+    reps, instances = _instances(groups, src, dst, forms, None)
+    # rank indices only: groups whose tensors differ never share a template, rotated or not; where
+    # the sorted order gives more templates than that, the pipeline stages may match rotated
+    # (see _signature): the orientation with fewer templates wins, ties the sorted one
+    rotated = None
+    if len(reps) > len({tuple(side[1] for side in form) for form in reps}):
+        span = 1 + max(max(src.buffers, default=0), max(dst.buffers, default=0))
+        rotated = _instances(groups, src, dst, forms, span)
+        if len(rotated[0]) < len(reps):
+            reps, instances = rotated
     if len(reps) == len(instances):
         return None
     templates = []
@@ -297,7 +130,7 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
         except PlanError:
             return None         # the ordinary planner names the problem with the real names
     # the groups, canonical forms and layouts are not needed to place the messages: freed first
-    del groups, forms, tids, reps, form, csrc, cdst, layer_of
+    del groups, forms, reps, form, csrc, cdst, layer_of, rotated
     return TemplatedPlan(tensors, budget_bytes, templates, instances)
 
 
@@ -393,39 +226,49 @@ class TemplatedPlan(Plan):
         return sorted({r for _, _, ranks in self.instances for r in ranks})
 
     # -------------------------------------------------------------- instantiation
-    def _copy(self, c: Copy, inst: tuple, offset: int) -> Copy:
+    def _copies(self, copies, inst: tuple, base: int | None) -> list[Copy]:
+        """The template's ``copies`` of instance ``inst``: names re-numbered, rank indices mapped,
+        offsets shifted by ``base`` (None: offset -1, local copies)."""
         _, (nt, ns, nd), ranks = inst
-        name = self.name
-        return _tuple_new(Copy, (name(c.tensor, nt), c.box, ranks[c.src], name(c.src_buffer, ns), c.src_local,
-                                 ranks[c.dst], name(c.dst_buffer, nd), c.dst_local, c.nbytes, offset))
+        table = self.name.table
+        tt, ts, td = table(nt), table(ns), table(nd)
+        new = _tuple_new
+        if base is None:
+            return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, -1))
+                    for t, box, s, sb, sl, d, db, dl, nb, _ in copies]
+        return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, base + off))
+                for t, box, s, sb, sl, d, db, dl, nb, off in copies]
 
     def _messages(self, rank: int | None) -> list[Message]:
         """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
         return _templated_messages(self, rank)
 
-    def _index_in(self, inst: tuple, rank: int | None):
-        """Rank indices of ``inst`` to make: all, or the one of ``rank`` (none when it is not in it)."""
-        ranks = inst[2]
+    def _index_in(self, i: int, rank: int | None):
+        """Rank indices of instance ``i`` to make: all, or the one of ``rank`` (none when it is not in it)."""
+        ranks = self.instances[i][2]
         if rank is None:
             return range(len(ranks))
-        j = bisect_left(ranks, rank)
-        return (j,) if j < len(ranks) and ranks[j] == rank else ()
+        index = self._cache.get("index")
+        if index is None:       # per instance: rank -> its index (a rotated instance's ranks are not sorted)
+            index = self._cache["index"] = [{r: j for j, r in enumerate(rs)} for _, _, rs in self.instances]
+        j = index[i].get(rank)
+        return () if j is None else (j,)
 
     def _local(self, rank: int | None) -> list[Copy]:
         out = []
-        for inst in self.instances:
+        for i, inst in enumerate(self.instances):
             t = self.templates[inst[0]]
-            for j in self._index_in(inst, rank):
-                out.extend(self._copy(c, inst, -1) for c in t.local_of.get(j, ()))
+            for j in self._index_in(i, rank):
+                out.extend(self._copies(t.local_of.get(j, ()), inst, None))
         out.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
         return out
 
     def _padding(self, rank: int | None) -> list:
         out = []
-        for inst in self.instances:
+        for i, inst in enumerate(self.instances):
             t = self.templates[inst[0]]
             nd, ranks = inst[1][2], inst[2]
-            for j in self._index_in(inst, rank):
+            for j in self._index_in(i, rank):
                 out.extend((ranks[j], self.name(b, nd), box) for b, box in t.pad_of.get(j, ()))
         out.sort(key=lambda x: (x[0], x[1]))
         return out
@@ -439,7 +282,7 @@ def _templated_messages(self: "TemplatedPlan", rank: int | None) -> list[Message
         if rank is None:
             qs = range(len(t.msgs))
         else:
-            j = self._index_in(inst, rank)
+            j = self._index_in(i, rank)
             if not j:
                 continue
             qs = t.of_index.get(j[0], ())
@@ -473,7 +316,7 @@ def _templated_messages(self: "TemplatedPlan", rank: int | None) -> list[Message
         if e is None:
             e = merged[key] = [0, []]
         base = e[0]
-        e[1].extend(self._copy(c, inst, base + c.offset) for c in m.entries)
+        e[1].extend(self._copies(m.entries, inst, base))
         e[0] = base + m.nbytes
     if cur is not None:
         flush(cur)
@@ -558,7 +401,8 @@ def _count_staging(self: "TemplatedPlan") -> tuple:
 
 def _check_placement(templates: list[_Template], instances: list, placement: list, rounds) -> None:
     """A received placement's shape: one global round in [0, rounds) per template message of each
-    instance, and increasing ranks for every rank index of its template."""
+    instance, and distinct ranks for every rank index of its template (a rotated instance's are
+    not sorted)."""
     if not isinstance(rounds, int) or rounds < 0:
         raise PlanError(f"templated plan: rounds {rounds!r} is not a count")
     if len(placement) != len(instances):
@@ -570,23 +414,50 @@ def _check_placement(templates: list[_Template], instances: list, placement: lis
         if len(gi) != want or not all(isinstance(g, int) and 0 <= g < rounds for g in gi):
             raise PlanError(f"templated plan: instance {i}'s placement is not {want} rounds in [0, {rounds})")
         ranks, need = instances[i][2], templates[tid].nranks
-        if (len(ranks) < need or not all(isinstance(r, int) and r >= 0 for r in ranks)
-                or any(a >= b for a, b in zip(ranks, ranks[1:]))):
+        if (len(ranks) < need or not all(type(r) is int and r >= 0 for r in ranks)
+                or len(set(ranks)) != len(ranks)):
             raise PlanError(f"templated plan: instance {i}'s ranks {list(ranks)[:8]} are not {need} or more "
-                            "increasing ranks")
+                            "distinct ranks")
 
 
 def part_of(plan: TemplatedPlan, rank: int) -> Plan:
     """``rank``'s own part of a templated plan, made from the templates alone (no other rank's copies);
-    buffer metadata for ``rank`` and the peers its messages name.  Its :attr:`Plan.hash` is the whole plan's."""
+    buffer metadata: all of ``rank``'s, and of each peer the buffers its messages with ``rank`` name
+    (what :func:`validate_plan` checks them against).  Its :attr:`Plan.hash` is the whole plan's."""
     messages = plan._messages(rank)
     local = plan._local(rank)
     padding = plan._padding(rank)
-    peers = {rank} | {m.src for m in messages} | {m.dst for m in messages}
-    part = Plan(plan.tensors, _templated_buffers(plan, peers), messages, local, padding, plan.budget_bytes, plan.rounds)
+    buffers = _templated_buffers(plan, {rank})
+    for side, r, name, meta in _peer_buffers(plan, rank):
+        buffers[side].setdefault(r, {})[name] = meta
+    for side in buffers:
+        buffers[side] = {r: dict(sorted(b.items())) for r, b in sorted(buffers[side].items())}
+    part = Plan(plan.tensors, buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
     part.stats = {"rank": rank}
     part.__dict__["_whole"] = plan
     return part
+
+
+def _peer_buffers(plan: TemplatedPlan, rank: int):
+    """(side, peer, buffer name, [shape, dtype]) of every peer buffer a message of ``rank`` names:
+    per template message, the (end, side, canonical name) of the buffers its entries read and
+    write, made once per template; then renamed per instance."""
+    name = plan.name
+    for i, (tid, nums, ranks) in enumerate(plan.instances):
+        js = plan._index_in(i, rank)
+        if not js:
+            continue
+        t = plan.templates[tid]
+        refs = t.__dict__.get("refs")
+        if refs is None:        # per message: ((index, side, canonical buffer name), ...) of both ends
+            refs = t.__dict__["refs"] = [tuple(sorted(
+                {(m.src, "dst" if m.forward else "src", c.src_buffer) for c in m.entries}
+                | {(m.dst, "dst", c.dst_buffer) for c in m.entries})) for m in t.msgs]
+        tb = t.plan.buffers
+        for q in t.of_index.get(js[0], ()):
+            for j, side, cname in refs[q]:
+                if j != js[0]:
+                    yield side, ranks[j], name(cname, nums[1] if side == "src" else nums[2]), tb[side][j][cname]
 
 
 PLAN_FORMATS[TEMPLATE_VERSION] = TemplatedPlan.from_json

@@ -46,6 +46,8 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
     if not ints(plan.budget_bytes, plan.rounds) or plan.budget_bytes < 1024 or plan.rounds < 0:
         bad(f"plan budget_bytes={plan.budget_bytes!r} / rounds={plan.rounds!r}: must be integers (budget >= 1024)")
 
+    fulls: dict[tuple, Box] = {}        # shape -> Box.full(shape): a few shapes, checked per copy
+
     def check_copy(c: Copy, where: str, fwd: bool = False) -> None:
         meta = plan.tensors.get(c.tensor)
         if meta is None:
@@ -55,7 +57,7 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                     *c.src_local.sizes, *c.dst_local.offsets, *c.dst_local.sizes):
             bad(f"{where}: copy of {c.tensor}: ranks, boxes, offset and byte count must be integers: {list(c)}")
             return
-        if c.box.ndim != len(meta["shape"]) or not Box.full(meta["shape"]).contains(c.box):
+        if c.box.ndim != len(meta["shape"]) or not _full(fulls, meta["shape"]).contains(c.box):
             bad(f"{where}: box {c.box} is outside tensor {c.tensor} of shape {list(meta['shape'])}")
         if fwd and meta["src_dtype"] != meta["dst_dtype"]:
             bad(f"{where}: forwarded copy of {c.tensor}{c.box}: the tensor is cast ({meta['src_dtype']} -> "
@@ -67,7 +69,7 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                 bad(f"{where}: {side} rank {r} has no buffer {bname} in the plan")
                 continue
             shape = bm[0]
-            if local.ndim != len(shape) or not Box.full(shape).contains(local):
+            if local.ndim != len(shape) or not _full(fulls, shape).contains(local):
                 bad(f"{where}: {side} local box {local} is outside rank {r} buffer {bname} of shape {list(shape)}")
             if local.numel != c.box.numel:
                 bad(f"{where}: {side} local box {local} of rank {r} buffer {bname} has {local.numel} elements, "
@@ -164,6 +166,18 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                 bad(f"destination rank {r} buffer {name} of shape {list(shape)}: the plan writes {written} of its "
                     f"{total} elements" + (f"; nothing writes {hole}" if hole is not None else ""))
     return problems
+
+
+def _full(fulls: dict, shape) -> Box:
+    """``Box.full(shape)``, made once per shape in ``fulls`` (unhashable sizes, of a tampered plan:
+    ``Box.full`` says what is wrong)."""
+    try:
+        got = fulls.get(tuple(shape))
+    except TypeError:
+        return Box.full(shape)
+    if got is None:
+        got = fulls[tuple(shape)] = Box.full(shape)
+    return got
 
 
 def _check_forwards(forwarded: list, landed: dict, bad) -> None:

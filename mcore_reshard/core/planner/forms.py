@@ -1,0 +1,219 @@
+"""Finding layer templates (:mod:`.templates`): tensors grouped by the layer number in their name,
+every group put in canonical form (names with the layer number replaced by a mark, ranks by their
+index among the group's ranks, sorted or rotated), the template's own layouts from a form."""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from ..box import Box, unchecked_box
+from ..layout import Buffer, Layout, Piece, TensorMeta
+
+LAYER = re.compile(r"layers\.(\d+)\.")
+MARK = "\x00"               # stands for the layer number in a canonical name
+
+
+def _number(name: str) -> int | None:
+    m = LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _canon(name: str, n: int | None) -> str:
+    """``name`` with ``layers.<n>.`` replaced by the mark (unchanged when n is None or absent)."""
+    return name if n is None else name.replace(f"layers.{n}.", f"layers.{MARK}.")
+
+
+def _layer_of(src: Layout, dst: Layout) -> dict[str, int | None]:
+    """Every tensor name of either side -> its layer number (None: no ``layers.<n>.``)."""
+    return {name: _number(name) for name in set(src.tensors) | set(dst.tensors)}
+
+
+def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict | None:
+    """group key (layer number or None) -> {"src"|"dst": [(rank, (buffer names, Buffers, their
+    ids))]}, the buffers of each rank in name order, or None when a buffer holds tensors of two
+    groups (nothing to template then).  Ranks with the same buffers (replicas) share one tuple
+    per group.  ``layer_of``: tensor name -> its layer number (:func:`_layer_of`)."""
+    out: dict = defaultdict(lambda: {"src": [], "dst": []})
+    group_of: dict[int, object] = {}        # id(buffer) -> its group
+    profiles: dict[tuple, dict] = {}
+    bad = object()
+    gget = group_of.get
+    for side, lay in (("src", src), ("dst", dst)):
+        for r in sorted(lay.buffers):
+            bufs = lay.buffers[r]
+            names = sorted(bufs)
+            vals = list(map(bufs.__getitem__, names))
+            ids = tuple(map(id, vals))
+            key = (tuple(names), ids)
+            prof = profiles.get(key)
+            if prof is None:
+                gs = [gget(i, bad) for i in ids]
+                for k, g in enumerate(gs):
+                    if g is bad:        # a buffer not seen before: the one layer number of its pieces
+                        pcs = vals[k].pieces
+                        g = layer_of[pcs[0].tensor] if pcs else None
+                        for p in pcs:
+                            if layer_of[p.tensor] != g:
+                                return None
+                        gs[k] = group_of[ids[k]] = g
+                first = gs[0] if gs else None
+                if gs.count(first) == len(gs):      # one group: no split
+                    mine = {first: range(len(gs))} if gs else {}
+                else:
+                    mine = {}
+                    for k, g in enumerate(gs):
+                        at = mine.get(g)
+                        if at is None:
+                            at = mine[g] = []
+                        at.append(k)
+                prof = profiles[key] = {g: (tuple(map(names.__getitem__, at)), tuple(map(vals.__getitem__, at)),
+                                            tuple(map(ids.__getitem__, at))) for g, at in mine.items()}
+            for g, items in prof.items():
+                out[g][side].append((r, items))
+    return out
+
+
+class _Forms:
+    """Canonical forms of rank rows (a rank's buffers of one group), each given a small id.
+
+    A row's key is (its canonical buffer names, the form id of each buffer): a buffer's form
+    (shape, dtype, canonical pieces) is made and given an id once per Buffer object, and canonical
+    names are cached per layer number, so a row costs two lookups per buffer and one hash of two
+    flat tuples (not a hash of every piece of every buffer again)."""
+
+    def __init__(self, layer_of: dict[str, int | None]):
+        # tensor name -> its canonical name (a buffer's pieces are all of its group g = their
+        # tensors' layer number, so this is ``_canon(tensor, g)``)
+        self.tcanon = {t: _canon(t, n) for t, n in layer_of.items()}
+        self.ids: dict[tuple, int] = {}
+        self.rows: list[tuple] = []         # id -> (canonical buffer names, form ids)
+        self.row_of: dict[tuple, int] = {}  # (id(items), g, n) -> row id
+        self.fid: dict[int, int] = {}       # id(buffer) -> form id (buffers outlive the planning)
+        self.fids: dict[tuple, int] = {}    # form -> form id
+        self.forms: list[tuple] = []        # form id -> (shape, dtype, canonical pieces)
+        self.names: dict[int | None, dict[str, str]] = {}     # n -> name -> canonical name
+
+    def form(self, buf: Buffer) -> int:
+        tc = self.tcanon
+        f = (buf.shape, buf.dtype, tuple([(tc[p.tensor], p.box.offsets, p.box.sizes, p.local.offsets, p.local.sizes)
+                                          for p in buf.pieces]))
+        i = self.fids.get(f)
+        if i is None:
+            i = self.fids[f] = len(self.forms)
+            self.forms.append(f)
+        self.fid[id(buf)] = i
+        return i
+
+    def row(self, items: tuple, g, n) -> int:
+        key = (id(items), g, n)
+        got = self.row_of.get(key)
+        if got is None:
+            names = self.names.get(n)
+            if names is None:
+                names = self.names[n] = {}
+            bnames, bufs, ids = items
+            cn = list(map(names.get, bnames))
+            if None in cn:
+                cn = [c if c is not None else names.setdefault(b, _canon(b, n)) for c, b in zip(cn, bnames)]
+            fs = list(map(self.fid.get, ids))
+            if None in fs:
+                form = self.form
+                fs = [f if f is not None else form(buf) for f, buf in zip(fs, bufs)]
+            content = (tuple(cn), tuple(fs))
+            got = self.ids.get(content)
+            if got is None:
+                got = self.ids[content] = len(self.rows)
+                self.rows.append(content)
+            self.row_of[key] = got
+        return got
+
+
+def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: int | None = None) -> tuple:
+    """(canonical form, layer numbers (tensors, src buffers, dst buffers), ranks) of one group.
+    Rank indices: the group's ranks in increasing order, or with ``span`` in increasing order of
+    ``(rank - base) % span`` (``base``: the group's lowest source rank), i.e. rotated so that the
+    source ranks of two pipeline stages of a colocated job get the same indices."""
+    nums = [g]
+    for side in ("src", "dst"):
+        n = None
+        if g is not None:
+            for _, items in members[side]:
+                for bname in items[0]:
+                    n = _number(bname)
+                    if n is not None:
+                        break
+                if n is not None:
+                    break
+        nums.append(n)
+    ranks = sorted({r for side in ("src", "dst") for r, _ in members[side]})
+    if span is not None and ranks:
+        base = min((r for r, _ in members["src"]), default=ranks[0])
+        ranks.sort(key=lambda r: (r - base) % span)
+    idx = {r: i for i, r in enumerate(ranks)}
+    form = []
+    tcanon = forms.tcanon
+    for side, lay, n in (("src", src, nums[1]), ("dst", dst, nums[2])):
+        rows = []
+        names: set[str] = set()
+        seen: set[int] = set()
+        for r, items in members[side]:
+            rid = forms.row(items, g, n)
+            if rid not in seen:         # equal rows of one group hold the same tensors
+                seen.add(rid)
+                names.update([p.tensor for buf in items[1] for p in buf.pieces])
+            rows.append((idx[r], rid))
+        tm = lay.tensors
+        metas = tuple(sorted((tcanon[t], tm[t].shape, tm[t].dtype) for t in names))
+        rows.sort()                 # index order (rank order unless rotated)
+        form.append((tuple(rows), metas))
+    return tuple(form), tuple(nums), tuple(ranks)
+
+
+def _canonical_layouts(form: tuple, forms: _Forms) -> tuple[Layout, Layout]:
+    """The template's own layouts (canonical names, rank indices) from its canonical form; ranks
+    with the same row (replicas) share its Buffer objects, and so do ranks whose rows have a
+    buffer of the same name and form; equal boxes one Box (the pieces come from checked layouts:
+    no checks again)."""
+    out = []
+    boxes: dict[tuple, Box] = {}
+
+    def box(o: tuple, z: tuple) -> Box:
+        b = boxes.get((o, z))
+        if b is None:
+            b = boxes[(o, z)] = unchecked_box(o, z)
+        return b
+
+    for rows, metas in form:
+        lay = Layout({t: TensorMeta(t, shape, dt) for t, shape, dt in metas}, {})
+        built: dict[int, dict] = {}
+        made: dict[tuple[str, int], Buffer] = {}    # (canonical name, form id) -> its Buffer
+        for i, rid in rows:
+            mine = built.get(rid)
+            if mine is None:
+                mine = built[rid] = {}
+                for bname, f in zip(*forms.rows[rid]):
+                    b = made.get((bname, f))
+                    if b is None:       # rows differing in some buffers share the others
+                        shape, dtype, pieces = forms.forms[f]
+                        b = made[(bname, f)] = Buffer(bname, shape, dtype, tuple(
+                            Piece(t, box(bo, bs), box(lo, ls)) for t, bo, bs, lo, ls in pieces))
+                    mine[bname] = b
+            lay.buffers.setdefault(i, {}).update(mine)
+        out.append(lay)
+    return out[0], out[1]
+
+
+def _instances(groups: dict, src: Layout, dst: Layout, forms: _Forms, span: int | None) -> tuple[list, list]:
+    """(canonical forms of the templates, instances (template id, layer numbers, ranks)), the
+    groups in layer order (the unnumbered one first); ``span``: rank indices rotated (:func:`_signature`)."""
+    tids: dict[tuple, int] = {}
+    reps: list[tuple] = []
+    instances: list[tuple[int, tuple, tuple]] = []
+    for g in sorted(groups, key=lambda k: (k is not None, k or 0)):
+        form, nums, ranks = _signature(g, groups[g], src, dst, forms, span)
+        tid = tids.get(form)
+        if tid is None:
+            tid = tids[form] = len(reps)
+            reps.append(form)
+        instances.append((tid, nums, ranks))
+    return reps, instances
