@@ -132,7 +132,16 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
     """(canonical form, layer numbers (tensors, src buffers, dst buffers), ranks) of one group.
     Rank indices: the group's ranks in increasing order, or with ``span`` in increasing order of
     ``(rank - base) % span`` (``base``: the group's lowest source rank), i.e. rotated so that the
-    source ranks of two pipeline stages of a colocated job get the same indices."""
+    source ranks of two pipeline stages of a colocated job get the same indices.  Example: training
+    tp=2 per stage (stage 0 on ranks 0-1, stage 1 on 2-3), two inference replicas of tp=2 on the
+    same ranks (rank r holds shard r % 2), ``span`` 4::
+
+        group           | its ranks | sorted order -> index | rotated order -> index
+        a stage-0 layer | 0 1 2 3   | 0 1 2 3 -> 0 1 2 3   | 0 1 2 3 -> 0 1 2 3
+        a stage-1 layer | 0 1 2 3   | 0 1 2 3 -> 0 1 2 3   | 2 3 0 1 -> 0 1 2 3
+
+    sorted, the stage-1 layer's sources are indices 2-3 (another form); rotated, indices 0-1 hold
+    sources and 0-3 shards 0 1 0 1 in both: one template (tests/test_planner_templates.py)."""
     nums = [g]
     for side in ("src", "dst"):
         n = None
