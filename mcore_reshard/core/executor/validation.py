@@ -151,8 +151,7 @@ def own_part(plan: Plan, rank: int) -> tuple[Plan, list[str]]:
     ``buffers``: those are then what is checked and bound, as they are, edits included); any other
     plan as it is.  A part that cannot be made is a problem (the plan itself then)."""
     part = getattr(plan, "part", None)
-    cache = getattr(plan, "_cache", {})
-    if part is None or any(k in cache for k in ("messages", "local", "padding", "buffers")):
+    if part is None or plan.views_made:
         return plan, []
     try:
         return part(rank), []

@@ -22,9 +22,9 @@ class RoundFill:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.used: dict[int, list[int]] = {}
-        self.masks: dict[int, list] = {}        # rank -> [lim, mask, heap of (usage, round) left out]
-        self.state: dict[int, tuple[list[int], list]] = {}     # rank -> (used, masks): one lookup
+        self.used: dict[int, list[int]] = {}     # rank -> staged bytes per round
+        # rank -> (its used list, [lim, mask, heap of (usage, round) left out]): one lookup per rank
+        self.state: dict[int, tuple[list[int], list]] = {}
 
     @property
     def rounds(self) -> int:
@@ -35,8 +35,7 @@ class RoundFill:
         st = self.state.get(r)
         if st is None:
             u = self.used[r] = []
-            m = self.masks[r] = [None, 0, []]
-            st = self.state[r] = (u, m)
+            st = self.state[r] = (u, [None, 0, []])
         return st
 
     @staticmethod

@@ -99,6 +99,15 @@ class _Template:
         self.pad_of: dict[int, list] = defaultdict(list)
         for r, b, box in plan.padding:
             self.pad_of[r].append((b, box))
+        self._refs: list[tuple] | None = None
+
+    def refs(self) -> list[tuple]:
+        """Per message: ((rank index, side, canonical buffer name), ...) of the buffers its entries
+        read and write at both ends (made on first use: only parts need them)."""
+        if self._refs is None:
+            self._refs = [tuple(sorted({(m.src, "dst" if m.forward else "src", c.src_buffer) for c in m.entries}
+                                       | {(m.dst, "dst", c.dst_buffer) for c in m.entries})) for m in self.msgs]
+        return self._refs
 
 
 def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, allow_cast: bool,
@@ -142,6 +151,12 @@ class TemplatedPlan(Plan):
     def part(self, rank: int) -> Plan:
         """This rank's part, from the templates alone (:func:`part_of`)."""
         return part_of(self, rank)
+
+    @property
+    def views_made(self) -> bool:
+        """Whether any of the whole plan's views (``messages``, ``local_copies``, ``padding``,
+        ``buffers``) has been made (a caller then holds, and may have edited, those)."""
+        return any(k in self._cache for k in ("messages", "local", "padding", "buffers"))
 
     def __init__(self, tensors: dict, budget_bytes: int, templates: list[_Template], instances: list,
                  placement: list | None = None, rounds: int | None = None, stats: dict | None = None):
@@ -448,11 +463,7 @@ def _peer_buffers(plan: TemplatedPlan, rank: int):
         if not js:
             continue
         t = plan.templates[tid]
-        refs = t.__dict__.get("refs")
-        if refs is None:        # per message: ((index, side, canonical buffer name), ...) of both ends
-            refs = t.__dict__["refs"] = [tuple(sorted(
-                {(m.src, "dst" if m.forward else "src", c.src_buffer) for c in m.entries}
-                | {(m.dst, "dst", c.dst_buffer) for c in m.entries})) for m in t.msgs]
+        refs = t.refs()
         tb = t.plan.buffers
         for q in t.of_index.get(js[0], ()):
             for j, side, cname in refs[q]:
