@@ -27,8 +27,14 @@ def test_synthetic_two_level_refit_counts_match_the_plan():
         for path in ("overlapped", "batched", "verify"):
             assert res[path]["mismatched"] == [], (rank, path, res[path])
             assert res[path]["messages"] == res[path]["plan_messages"], (rank, path, res[path])
-        for path in ("overlapped", "batched"):
+            # staged bytes (+ verify trailers) and the unstaged payload sent straight from the tensors,
+            # and the staging buffer: each as the plan gives them (unstaged messages take no staging)
             assert res[path]["bytes"] == res[path]["plan_bytes"], (rank, path, res[path])
+            assert res[path]["unstaged"] == res[path]["plan_unstaged"], (rank, path, res[path])
+            assert res[path]["staging"] == res[path]["plan_staging"], (rank, path, res[path])
+        if rank in (2, 3):      # the two receivers forward to each other: some forwards unstaged, some not
+            assert res["overlapped"]["plan_unstaged"] > 0
+        assert res["unstaged_messages"] > 0 and res["staged_forwards"] > 0
         s = res["stats"]
         # both receivers (ranks 2, 3) need every replicated byte from domain 0: it crosses once (the
         # uneven odd.weight is split between them: 140 B that each needs alone); every forwarded

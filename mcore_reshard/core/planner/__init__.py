@@ -111,7 +111,9 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     if topo is not None:
         for r in sorted(set(src.buffers) | set(dst.buffers)):
             topo.domain(r)              # every rank must have a domain (raises naming the rank)
-        remote, forwards, nic_bound = plan_forwarding(remote, topo, tensors, budget_bytes, to_local)
+        bufs = dst.buffers
+        remote, forwards, nic_bound = plan_forwarding(remote, topo, tensors, budget_bytes, to_local,
+                                                      lambda r, name: bufs[r][name].shape)
     copies = choose_senders(remote, budget_bytes, to_local)
     del remote                          # freed before packing allocates the messages
     messages, rounds, totals = _pack_rounds(copies, budget_bytes, forwards)

@@ -138,7 +138,7 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
-    for key in sorted(placed):         # (round, src, dst), then (round, src, dst, 1): forwarded
+    for key in sorted(placed):         # (round, src, dst), then (round, src, dst, flag): _FLAGS
         k, s, d = key[:3]
         group = placed[key]
         if len(group) > 1:
@@ -151,21 +151,29 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
             off += (nb + ALIGN - 1) // ALIGN * ALIGN
             payload += nb
         m = _new(Message)               # as Message(...) without the frozen dataclass __init__
-        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)}
-                 if len(key) == 3 else {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries),
-                                        "forward": True})
+        md = {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)}
+        if len(key) > 3:
+            md.update(_FLAGS[key[3]])
+        _setattr(m, "__dict__", md)
         messages.append(m)
         sent[s] += payload
         recv[d] += payload
-        stage_send[(k, s)] += off
-        stage_recv[(k, d)] += off
+        if len(key) == 3 or key[3] == 1:        # unstaged messages take no staging
+            stage_send[(k, s)] += off
+            stage_recv[(k, d)] += off
     return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
 
+#: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged
+_FLAGS = {1: {"forward": True}, 2: {"forward": True, "unstaged": True}}
+
+
 def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int]], placed: dict) -> int:
     """First-fit (largest first) of forwarded copies into rounds after their carrier's copy; returns
-    the rounds used.  ``used``: per rank, staged bytes per round so far (updated)."""
+    the rounds used.  ``used``: per rank, staged bytes per round so far (updated).  An unstaged
+    forwarded copy (16th item true, :attr:`Message.unstaged`) takes no staging: it goes in the
+    round right after its carrier's copy landed, whatever the budget."""
     want = {f[14] for f in forwards}
     landed: dict[tuple, int] = {}       # carrier copy key -> round it lands in
     for (k, s, d), group in placed.items():
@@ -178,8 +186,13 @@ def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int
     for f in forwards:
         lim = budget - (-f[0] + ALIGN - 1) // ALIGN * ALIGN
         s, d = f[1], f[2]
-        us, ud = used.setdefault(s, []), used.setdefault(d, [])
         k = landed[f[14]] + 1
+        if len(f) > 15 and f[15]:
+            placed.setdefault((k, s, d, 2), []).append(f)
+            if k >= rounds:
+                rounds = k + 1
+            continue
+        us, ud = used.setdefault(s, []), used.setdefault(d, [])
         end = max(len(us), len(ud), k) + 1      # both padded with empty rounds: the scan stops inside
         if len(us) < end:
             us.extend([0] * (end - len(us)))

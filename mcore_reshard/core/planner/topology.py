@@ -27,7 +27,7 @@ from math import prod
 from ..box import Box, split_box, unchecked_box
 from .index import _atoms, _disjoint
 from .matching import ToLocal
-from .plan import ALIGN, PlanError
+from .plan import ALIGN, PlanError, contiguous
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Topology:
 
 
 def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: int,
-                    to_local: ToLocal) -> tuple[list[tuple], list[tuple], int]:
+                    to_local: ToLocal, shape_of=None) -> tuple[list[tuple], list[tuple], int]:
     """(remote regions for :func:`~.senders.choose_senders`, forwarded copies, NIC lower bound in bytes).
 
     ``remote`` are :func:`~.matching.match`'s regions (-bytes, tensor, offsets, sizes, dst rank,
@@ -86,8 +86,11 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
     receivers is kept for one carrier only; the others get forwarded copies, tuples like the
     senders' copies (-bytes, carrier, dst, tensor, offsets, sizes, sequence number, carrier's dst
     buffer, carrier's local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box,
-    (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy),
-    split to fit the budget exactly as the carrier's copy is."""
+    (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy,
+    unstaged), split to fit the budget exactly as the carrier's copy is.  ``shape_of(rank, dst
+    buffer)``: the buffer's local shape; a forwarded copy contiguous in both destination buffers
+    (:func:`~.plan.contiguous`) is *unstaged* (:attr:`~.plan.Message.unstaged`): it goes straight
+    from the carrier's tensor into the receiver's, no staging (None: every copy staged)."""
     dmap: dict[int, int] = {}          # rank -> domain, looked up once per rank
     topo_domain = topo.domain
 
@@ -163,7 +166,7 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
             if x[4] == carrier[4]:            # the same rank twice: no message to itself, sent directly
                 out.append(x)
                 continue
-            forwards.extend(_forward_copies(carrier, x, budget, to_local, seq))
+            forwards.extend(_forward_copies(carrier, x, budget, to_local, seq, shape_of))
     return out, forwards, bound
 
 
@@ -185,11 +188,15 @@ def _atomize(by_box: dict, keys: list, seq: list, to_local: ToLocal) -> dict:
     return out
 
 
-def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, seq: list) -> list[tuple]:
-    """The forwarded copies of region ``x`` from ``carrier`` (same box), split as the carrier's copy is."""
+def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, seq: list,
+                    shape_of=None) -> list[tuple]:
+    """The forwarded copies of region ``x`` from ``carrier`` (same box), split as the carrier's copy
+    is; each unstaged where contiguous in both destination buffers (``shape_of`` given)."""
     isz = x[9]
     limit = max(1, (budget - ALIGN) // isz) * isz
     boxes = [x[10]] if -x[0] <= limit else split_box(x[10], limit // isz)
+    cshape = shape_of(carrier[4], carrier[5]) if shape_of is not None else None
+    dshape = shape_of(x[4], x[5]) if shape_of is not None else None
     out = []
     for b in boxes:
         o, s = b.offsets, b.sizes
@@ -197,14 +204,15 @@ def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, se
         dlo, dls = to_local(x[8], o, s)
         n = seq[0]
         seq[0] += 1
+        direct = cshape is not None and contiguous(cls, cshape) and contiguous(dls, dshape)
         out.append((-prod(s) * isz, carrier[4], x[4], x[1], o, s, n, carrier[5], unchecked_box(clo, cls), x[5],
-                    dlo, dls, b, unchecked_box(dlo, dls), (carrier[4], carrier[5], x[1], o, s)))
+                    dlo, dls, b, unchecked_box(dlo, dls), (carrier[4], carrier[5], x[1], o, s), direct))
     return out
 
 
 def link_stats(messages, topo: Topology) -> dict:
-    """NIC / NVLink / forwarded bytes of a plan's messages under ``topo``."""
-    nic = nvl = fwd = 0
+    """NIC / NVLink / forwarded / unstaged bytes of a plan's messages under ``topo``."""
+    nic = nvl = fwd = direct = 0
     dom = topo.domain
     for m in messages:
         payload = sum(c.nbytes for c in m.entries)
@@ -214,4 +222,6 @@ def link_stats(messages, topo: Topology) -> dict:
             nic += payload
         if m.forward:
             fwd += payload
-    return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd}
+        if m.unstaged:
+            direct += payload
+    return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd, "unstaged_bytes": direct}
