@@ -92,7 +92,8 @@ class RoundFill:
         return k, cnt
 
 
-def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
+def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None,
+                 unstaged: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -107,7 +108,8 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
 
     ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
     copy, each first-fit from the round after the one its carrier's own copy landed in; they
-    make messages of their own (``Message.forward``)."""
+    make messages of their own (``Message.forward``).  ``unstaged`` (two-level plans): copies that
+    take no staging (:func:`~.topology.place_unstaged`), messages of their own (``Message.unstaged``)."""
     fill = RoundFill(budget)
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
@@ -131,6 +133,9 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     used, rounds = fill.used, fill.rounds
     if forwards:
         rounds = max(rounds, _place_forwards(forwards, budget, used, placed))
+    if unstaged:
+        from .topology import place_unstaged
+        rounds = max(rounds, place_unstaged(unstaged, rounds, placed))
     messages = []
     entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
     # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
@@ -165,8 +170,8 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
 
 
 
-#: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged
-_FLAGS = {1: {"forward": True}, 2: {"forward": True, "unstaged": True}}
+#: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged, unstaged
+_FLAGS = {1: {"forward": True}, 2: {"forward": True, "unstaged": True}, 3: {"unstaged": True}}
 
 
 def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int]], placed: dict) -> int:

@@ -225,3 +225,67 @@ def link_stats(messages, topo: Topology) -> dict:
         if m.unstaged:
             direct += payload
     return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd, "unstaged_bytes": direct}
+
+
+def split_unstaged(copies: list[tuple], topo: Topology, tensors: dict, src_shape, dst_shape) -> tuple[list, list]:
+    """(staged copies, unstaged copies) of :func:`~.senders.choose_senders`' copies: a copy inside
+    one NVLink domain, of a tensor not cast, contiguous in its source and its destination buffer
+    (:func:`~.plan.contiguous`; ``src_shape`` / ``dst_shape``: (rank, buffer) -> local shape) goes
+    straight from tensor to tensor (:attr:`~.plan.Message.unstaged`) and takes no staging.  NIC
+    copies stay staged: the budget paces them, round by round, on the slower link."""
+    dom = topo.domain
+    same = {n: t["src_dtype"] == t["dst_dtype"] for n, t in tensors.items()}
+    shapes: dict[tuple, tuple] = {}
+    staged, direct = [], []
+    for c in copies:
+        s, d = c[1], c[2]
+        if not same[c[3]] or dom(s) != dom(d):
+            staged.append(c)
+            continue
+        ks, kd = (0, s, c[7]), (1, d, c[9])
+        ss = shapes.get(ks)
+        if ss is None:
+            ss = shapes[ks] = tuple(src_shape(s, c[7]))
+        ds = shapes.get(kd)
+        if ds is None:
+            ds = shapes[kd] = tuple(dst_shape(d, c[9]))
+        (direct if contiguous(c[8].sizes, ss) and contiguous(c[11], ds) else staged).append(c)
+    return staged, direct
+
+
+def place_unstaged(direct: list[tuple], rounds: int, placed: dict) -> int:
+    """Unstaged copies (no staging, no budget) spread over the ``rounds`` the staged copies take:
+    first fit (largest first) under a per-rank cap of the busiest rank's unstaged bytes (sent +
+    received) / ``rounds``, so that each round carries about its share next to its staged bytes
+    instead of all of them at once; into ``placed`` under (round, src, dst, 3).  Returns the rounds used."""
+    direct.sort()
+    need: dict[int, int] = defaultdict(int)
+    for c in direct:
+        need[c[1]] -= c[0]
+        need[c[2]] -= c[0]
+    if not direct:
+        return 0
+    cap = max(-(-max(need.values()) // max(rounds, 1)), -direct[0][0])
+    used: dict[int, list[int]] = defaultdict(list)
+    first: dict[int, int] = defaultdict(int)      # rank -> rounds before this one are full (to the cap)
+    out = 0
+    for c in direct:
+        n, s, d = -c[0], c[1], c[2]
+        us, ud = used[s], used[d]
+        k = max(first[s], first[d])
+        while True:
+            a = us[k] if k < len(us) else 0
+            b = ud[k] if k < len(ud) else 0
+            if a + n <= cap and b + n <= cap:
+                break
+            k += 1
+        for u, r in ((us, s), (ud, d)):
+            if len(u) <= k:
+                u.extend([0] * (k + 1 - len(u)))
+            u[k] += n
+            while first[r] < len(u) and u[first[r]] >= cap:
+                first[r] += 1
+        placed.setdefault((k, s, d, 3), []).append(c)
+        if k >= out:
+            out = k + 1
+    return out
