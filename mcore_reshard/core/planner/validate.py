@@ -17,7 +17,9 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
     Checks every copy that involves ``rank`` (every copy when ``rank`` is None): tensor, buffers
     and ranks known to the plan; global/local boxes of equal size, inside their tensor and buffers;
     byte counts; message entries 16-byte aligned, inside their message and not overlapping; at
-    most one message per (round, src, dst) and rounds below ``plan.rounds``; and, for each
+    most one message per (round, src, dst) and rounds below ``plan.rounds``; each rank's staged
+    bytes per round (sends + receives of its messages that are not unstaged) within the budget;
+    every entry of an unstaged message contiguous in both its buffers, of a tensor not cast; and, for each
     destination buffer of ``rank``, that the copies and zero padding write every element exactly
     once (two pieces claiming the same region, or a region nobody writes, are reported).
     """
