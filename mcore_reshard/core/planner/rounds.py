@@ -108,10 +108,16 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
 
     ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
     copy, each first-fit from the round after the one its carrier's own copy landed in; they
-    make messages of their own (``Message.forward``).  ``unstaged`` (two-level plans): copies that
+    make messages of their own (``Message.forward``); the other copies of a two-level plan
+    (``forwards`` not None) are packed by :func:`~.topology.pack_busiest_first` instead.  ``unstaged`` (two-level plans): copies that
     take no staging (:func:`~.topology.place_unstaged`), messages of their own (``Message.unstaged``)."""
+    if forwards is not None:            # two-level plans: busiest ranks first, round by round
+        from .topology import pack_busiest_first
+        placed, used, rounds = pack_busiest_first(copies, budget)
+        copies = []
+    else:
+        placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     fill = RoundFill(budget)
-    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
     # the lowest round where both ranks have room until one of them is full, then the next such
     # round (lower rounds never regain room), so a run is placed round by round, as many at once
@@ -130,7 +136,8 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
             k, cnt = fill.place(s, d, n, end - j)
             placed[(k, s, d)].extend(srt[j:j + cnt])
             j += cnt
-    used, rounds = fill.used, fill.rounds
+    if forwards is None:
+        used, rounds = fill.used, fill.rounds
     if forwards:
         rounds = max(rounds, _place_forwards(forwards, budget, used, placed))
     if unstaged:

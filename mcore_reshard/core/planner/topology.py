@@ -289,3 +289,60 @@ def place_unstaged(direct: list[tuple], rounds: int, placed: dict) -> int:
         if k >= out:
             out = k + 1
     return out
+
+
+def pack_busiest_first(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]], int]:
+    """Round packing of two-level plans' staged copies: round by round, the copies of the ranks with
+    the most staged bytes left go first.  (placed: (round, src, dst) -> copies, per-rank staged
+    bytes per round, rounds.)
+
+    Each round starts with every rank's whole budget; the (src, dst) pairs are taken by the larger
+    of their two ranks' bytes still to place (ties: the pair), each pair's copies largest first,
+    every copy that fits both ranks' room; what does not fit waits for the next round.  So a
+    critical rank (the busiest NIC sender or receiver) fills every round until its bytes run out,
+    where a first fit over all copies largest first (:func:`~.rounds._pack_rounds`, flat plans)
+    fills early rounds with whatever is largest and leaves the critical ranks' peers short in them:
+    on the full-size configurations this is what brings the cost model's paced time within 1.15x
+    of the link bound (BENCHMARKS.md A.2).  A fresh round always places the first pair's largest
+    copy (every copy fits an empty budget), so every round places something."""
+    rem: dict[int, int] = defaultdict(int)
+    pairs: dict[tuple[int, int], list] = defaultdict(list)
+    for c in sorted(copies):            # largest first (then the sequence order), per pair
+        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        rem[c[1]] += n
+        rem[c[2]] += n
+        pairs[(c[1], c[2])].append((n, c))
+    placed: dict = defaultdict(list)
+    used: dict[int, list[int]] = defaultdict(list)
+    k = 0
+    while pairs:
+        order = sorted(pairs, key=lambda p: (-max(rem[p[0]], rem[p[1]]), p))
+        room: dict[int, int] = {}
+        for p in order:
+            s, d = p
+            lim = min(room.get(s, budget), room.get(d, budget))
+            items = pairs[p]
+            if lim < items[-1][0]:      # not even the pair's smallest copy fits
+                continue
+            keep, got = [], 0
+            for n, c in items:
+                if n <= lim - got:
+                    got += n
+                    placed[(k, s, d)].append(c)
+                else:
+                    keep.append((n, c))
+            room[s] = room.get(s, budget) - got
+            room[d] = room.get(d, budget) - got
+            rem[s] -= got
+            rem[d] -= got
+            if keep:
+                pairs[p] = keep
+            else:
+                del pairs[p]
+        for r, x in room.items():
+            u = used[r]
+            if len(u) < k:
+                u.extend([0] * (k - len(u)))
+            u.append(budget - x)
+        k += 1
+    return placed, used, k
