@@ -397,3 +397,16 @@ def test_unstaged_verify_catches_a_corrupt_landing():
     rounds.check_unstaged(r, 0, rnd, problems, bad_buffers)
     assert len(problems) == 1 and "w[7:8, 0:32] from rank 2 (unstaged" in problems[0] and bad_buffers == {"w"}
     assert torch.equal(parts[-1][1][0][0], checksum(views[0]))
+
+
+def test_pack_busiest_first_by_hand():
+    """Round 0: pair 0->2 (rank 0 has 1536 B to move, the most) takes its 1 KiB; 0->3 and 1->2 find
+    no room; 1->3 does.  Round 1: the rest.  Every rank within the budget in every round."""
+    from mcore_reshard.core.planner.topology import pack_busiest_first
+    copies = [(-1024, 0, 2, "a", (), (), 0), (-512, 0, 3, "b", (), (), 1), (-512, 1, 3, "c", (), (), 2),
+              (-256, 1, 2, "d", (), (), 3)]
+    placed, used, rounds = pack_busiest_first(copies, 1024)
+    assert rounds == 2
+    assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 2): ["a"], (0, 1, 3): ["c"],
+                                                               (1, 0, 3): ["b"], (1, 1, 2): ["d"]}
+    assert dict(used) == {0: [1024, 512], 2: [1024, 256], 1: [512, 256], 3: [512, 512]}
