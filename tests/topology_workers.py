@@ -145,6 +145,7 @@ def synthetic_two_level(rank: int, world: int, budget: int) -> dict:
                      "staging": r.staging_bytes, "plan_staging": max(per_round.values(), default=0)}
         dist.barrier()
     out["unstaged_messages"] = sum(1 for m in plan.messages if m.unstaged)
+    out["unstaged_forwards"] = sum(1 for m in plan.messages if m.unstaged and m.forward)
     out["staged_forwards"] = sum(1 for m in plan.messages if m.forward and not m.unstaged)
     out["stats"] = {k: plan.stats[k] for k in ("nic_bytes", "hierarchical_bound_bytes", "forwarded_bytes",
                                                "network_bytes", "rounds")}
