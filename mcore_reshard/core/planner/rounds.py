@@ -109,8 +109,9 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
     copy, each first-fit from the round after the one its carrier's own copy landed in; they
     make messages of their own (``Message.forward``); the other copies of a two-level plan
-    (``forwards`` not None) are packed by :func:`~.topology.pack_busiest_first` instead.  ``unstaged`` (two-level plans): copies that
-    take no staging (:func:`~.topology.place_unstaged`), messages of their own (``Message.unstaged``)."""
+    (``forwards`` not None) are packed by :func:`~.topology.pack_busiest_first` instead.
+    ``unstaged`` (two-level plans): copies that take no staging (:func:`~.topology.place_unstaged`),
+    messages of their own (``Message.unstaged``)."""
     if forwards is not None:            # two-level plans: busiest ranks first, round by round
         from .topology import pack_busiest_first
         placed, used, rounds = pack_busiest_first(copies, budget)
