@@ -68,6 +68,11 @@ def nic_bytes(plan, topo) -> int:
     return sum(c.nbytes for m in plan.messages if topo.domain(m.src) != topo.domain(m.dst) for c in m.entries)
 
 
+def _contiguous(plan, side: str, rank: int, buffer: str, local) -> bool:
+    shape = plan.buffers[side][rank][buffer][0]
+    return torch.empty(shape, dtype=torch.uint8)[local.slices()].is_contiguous()
+
+
 def check_two_level(src: Layout, dst: Layout, topo: Topology, plan: Plan) -> None:
     full = random_full(src)
     S = {r: materialize(src, r, full) for r in src.ranks}
@@ -88,11 +93,23 @@ def check_two_level(src: Layout, dst: Layout, topo: Topology, plan: Plan) -> Non
     for m in plan.messages:
         assert m.src != m.dst
         assert m.nbytes == sum((c.nbytes + ALIGN - 1) // ALIGN * ALIGN for c in m.entries)
-        stage[(m.round, m.src)] += m.nbytes
-        stage[(m.round, m.dst)] += m.nbytes
+        if not m.unstaged:          # an unstaged message takes no staging
+            stage[(m.round, m.src)] += m.nbytes
+            stage[(m.round, m.dst)] += m.nbytes
         if m.forward:       # forwarded only inside a domain
             assert topo.domain(m.src) == topo.domain(m.dst)
+        # unstaged exactly where every entry is contiguous on both ends (torch decides, not the
+        # planner's rule), inside one domain, not cast; NIC copies always staged
+        meta = [plan.tensors[c.tensor] for c in m.entries]
+        same = topo.domain(m.src) == topo.domain(m.dst) and all(t["src_dtype"] == t["dst_dtype"] for t in meta)
+        flat = [_contiguous(plan, "dst" if m.forward else "src", c.src, c.src_buffer, c.src_local)
+                and _contiguous(plan, "dst", c.dst, c.dst_buffer, c.dst_local) for c in m.entries]
+        if m.unstaged:
+            assert same and all(flat), m
+        elif same:
+            assert not any(flat), m
     assert max(list(stage.values()) + [0]) <= plan.budget_bytes
+    assert max(list(stage.values()) + [0]) == plan.stats["max_stage_bytes"]
     assert validate_plan(plan) == []
     for r in plan.ranks:
         assert validate_plan(plan_part(plan, r), r) == []
@@ -229,3 +246,167 @@ def test_flat_plans_unchanged_without_topology(name):
     two = make_plan(src, dst, topology=64, **kw)
     assert type(two) is Plan and not any(m.forward for m in two.messages) and two.stats["nic_bytes"] == 0
     check_two_level(src, dst, Topology(domain_size=64), two)
+
+
+def _unstaged_case():
+    """w [8, 32] on rank 0 and v [4, 8] column-sharded on ranks 0-1 (domain 0), both replicated on
+    ranks 2 and 3 (domain 1); 1 KiB budget."""
+    src, dst = Layout(), Layout()
+    src.add_sharded("w", (8, 32), "float32", Mesh.of({"tp": 1}), [])
+    src.add_sharded("v", (4, 8), "float32", Mesh.of({"tp": 2}), [("tp", 1)])
+    dst.add_sharded("w", (8, 32), "float32", Mesh.of({"dp": 2}, 2), [])
+    dst.add_sharded("v", (4, 8), "float32", Mesh.of({"dp": 2}, 2), [])
+    return src, dst
+
+
+def test_unstaged_forwards_by_hand():
+    """w (1 KiB) crosses to its carrier, rank 2, in round 0 (split 7 rows + 1 row: 1008 B fit the
+    budget's 1024 minus alignment); rank 2 forwards both pieces in round 1 straight from its w
+    (rows of a full-width buffer: contiguous) -- unstaged, so rank 2 / 3's 1 KiB there takes no
+    staging and v's staged forward (columns: not contiguous) still fits in round 1 beside it.
+    v[:, 4:8] lands on carrier 3 in round 0, v[:, 0:4] in round 1 (rank 0 is full in round 0):
+    forwarded in rounds 1 and 2."""
+    src, dst = _unstaged_case()
+    topo = Topology(domains=(0, 0, 1, 1))
+    plan = make_plan(src, dst, budget_bytes=1024, topology=topo)
+    check_two_level(src, dst, topo, plan)
+    got = [(m.round, m.src, m.dst, m.forward, m.unstaged, m.nbytes, [(c.tensor, str(c.box)) for c in m.entries])
+           for m in plan.messages]
+    assert got == [
+        (0, 0, 2, False, False, 1024, [("w", "[0:7, 0:32]"), ("w", "[7:8, 0:32]")]),
+        (0, 1, 3, False, False, 64, [("v", "[0:4, 4:8]")]),
+        (1, 0, 3, False, False, 64, [("v", "[0:4, 0:4]")]),
+        (1, 2, 3, True, True, 1024, [("w", "[0:7, 0:32]"), ("w", "[7:8, 0:32]")]),
+        (1, 3, 2, True, False, 64, [("v", "[0:4, 4:8]")]),
+        (2, 3, 2, True, False, 64, [("v", "[0:4, 0:4]")]),
+    ]
+    assert plan.rounds == 3
+    s = plan.stats
+    assert (s["max_stage_bytes"], s["unstaged_bytes"], s["forwarded_bytes"], s["nic_bytes"]) == (1024, 1024, 1152, 1152)
+    # staged per (round, rank): 1024 at most, the unstaged 1 KiB of round 1 not counted
+    from mcore_reshard.core.executor import staging_size
+    assert [staging_size(plan, r) for r in range(4)] == [1024, 64, 1024, 128]
+    assert [staging_size(plan, r, verify=True) for r in range(4)] == [1024 + 32, 64 + 16, 1024 + 32, 64 + 16 + 32 + 64 + 16]
+    # JSON round trip keeps the flag (and the hash covers it)
+    back = Plan.from_json(json.loads(plan.dumps()))
+    assert back.hash == plan.hash and [m.unstaged for m in back.messages] == [m.unstaged for m in plan.messages]
+    o = json.loads(plan.dumps())
+    next(x for x in o["messages"] if x.get("unstaged")).pop("unstaged")
+    assert Plan.from_json(o).hash != plan.hash
+
+
+def test_unstaged_copies_inside_a_domain():
+    """One domain: every copy (row shards into full buffers) is contiguous on both ends, so every
+    message is unstaged: nothing staged, one round; validation still sound."""
+    src, dst = _replicated_case()
+    topo = Topology(domain_size=64)
+    plan = make_plan(src, dst, budget_bytes=1024, topology=topo)
+    check_two_level(src, dst, topo, plan)
+    assert plan.messages and all(m.unstaged and not m.forward for m in plan.messages)
+    assert plan.stats["max_stage_bytes"] == 0 and plan.rounds == 1
+    assert plan.stats["unstaged_bytes"] == plan.stats["network_bytes"] == 4 * (8 * 6 + 6) * 4
+    # a column split is not contiguous in the source shard: staged
+    s2, d2 = Layout(), Layout()
+    s2.add_sharded("w", (8, 6), "float32", Mesh.of({"tp": 2}), [("tp", 1)])
+    d2.add_sharded("w", (8, 6), "float32", Mesh.of({"tp": 2}, 2), [("tp", 0)])
+    p2 = make_plan(s2, d2, topology=topo)
+    check_two_level(s2, d2, topo, p2)
+    assert not any(m.unstaged for m in p2.messages) and p2.stats["max_stage_bytes"] > 0
+
+
+def _tampered_unstaged():
+    """The hand case's plan with its staged (non-contiguous) forward of v[:, 4:8] marked unstaged."""
+    src, dst = _unstaged_case()
+    plan = make_plan(src, dst, budget_bytes=1024, topology=Topology(domains=(0, 0, 1, 1)))
+    bad = Plan.from_json(json.loads(plan.dumps()))
+    i = next(i for i, m in enumerate(bad.messages) if m.forward and not m.unstaged)
+    m = bad.messages[i]
+    bad.messages[i] = Message(m.round, m.src, m.dst, m.nbytes, m.entries, True, True)
+    return src, dst, bad, m
+
+
+def test_unstaged_non_contiguous_is_refused():
+    src, dst, bad, m = _tampered_unstaged()
+    problems = validate_plan(bad)
+    assert any("unstaged copy of v[0:4, 4:8]" in p and "not contiguous" in p and f"rank {m.src} buffer v" in p
+               and "[4, 8]" in p for p in problems), problems
+    for r in (m.src, m.dst):
+        assert any("not contiguous" in p for p in validate_plan(plan_part(bad, r), r))
+    o = json.loads(bad.dumps())
+    next(x for x in o["messages"] if x.get("unstaged"))["unstaged"] = 1
+    with pytest.raises(PlanError, match="unstaged=1"):
+        Plan.from_json(o)
+    # an unstaged message over the budget is fine; a staged one is not
+    big = Plan.from_json(json.loads(bad.dumps()))
+    j = next(j for j, x in enumerate(big.messages) if x.unstaged and x.nbytes == 1024)
+    x = big.messages[j]
+    big.messages[j] = Message(x.round, x.src, x.dst, x.nbytes, x.entries, True, False)
+    assert any("over the plan's budget of 1024 B" in p and "round 1" in p for p in validate_plan(big)), validate_plan(big)
+
+
+def test_unstaged_views_checked_at_bind():
+    """The executor's own checks (per rank, before a byte moves): a tampered unstaged flag is refused
+    as an inconsistent plan; a sound unstaged message whose source tensor is not contiguous here
+    (a transposed view of the right shape) is refused naming tensor, buffer, rank and shape."""
+    from unittest import mock
+    from mcore_reshard.core.executor import validation
+    from mcore_reshard.tools.synthetic import materialize
+    src, dst, bad, m = _tampered_unstaged()
+    full = random_full(src)
+    S = {r: materialize(src, r, full) for r in range(4)}
+    D = {r: materialize(dst, r, full) for r in range(4)}
+    with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
+        errs = validation.check_binding(bad, m.src, 4, None, S[m.src], D[m.src], None)
+        assert any("plan is inconsistent" in e and "not contiguous" in e for e in errs), errs
+        # one domain: every copy unstaged, the source w on rank 0 read straight from the tensor
+        s1, d1 = _replicated_case()
+        plan = make_plan(s1, d1, topology=64)
+        full = random_full(s1)
+        S1 = {r: materialize(s1, r, full) for r in range(6)}
+        D1 = {r: materialize(d1, r, full) for r in range(6)}
+        assert validation.check_binding(plan, 0, 6, None, S1[0], D1[0], None) == []
+        w = S1[0]["w"]
+        S1[0]["w"] = w.t().contiguous().t()        # same shape and values, column-major
+        assert not S1[0]["w"].is_contiguous()
+        errs = validation.check_binding(plan, 0, 6, None, S1[0], D1[0], None)
+        assert errs and all("unstaged message 0->" in e and "src tensor w [4, 6] float32" in e
+                            and "not contiguous" in e and e.startswith("rank 0:") for e in errs), errs
+
+
+def test_unstaged_verify_catches_a_corrupt_landing():
+    """verify: an unstaged entry lands straight in the destination; check_unstaged compares it with
+    the sender's checksum after the round: a changed byte is reported and its buffer marked bad."""
+    from types import SimpleNamespace
+    from mcore_reshard.core.executor import binding, rounds
+    from mcore_reshard.core.executor.checksum import checksum
+    src, dst = _unstaged_case()
+    plan = make_plan(src, dst, budget_bytes=1024, topology=Topology(domains=(0, 0, 1, 1)))
+    m = next(x for x in plan.messages if x.unstaged)
+    w = torch.arange(8 * 32, dtype=torch.float32).reshape(8, 32)
+    views = [w[c.dst_local.slices()] for c in m.entries]
+    buf = torch.zeros(16 * len(m.entries), dtype=torch.uint8)
+    pairs, parts = binding.unstaged_parts(m, buf, views, verify=True)
+    assert [p[0].numel() for p in parts[:-1]] == [c.nbytes for c in m.entries] and parts[-1][0] is buf
+    rounds.pack(SimpleNamespace(verify=True), buf, parts[-1][1], m)      # the sender's checksums
+    r = SimpleNamespace(verify=True, rounds=[None])
+    rnd = binding.Round([], [(m.src, buf, pairs, m, parts)])
+    problems, bad_buffers = [], set()
+    rounds.check_unstaged(r, 0, rnd, problems, bad_buffers)
+    assert problems == [] and bad_buffers == set()
+    w[7, 3] += 1                   # a byte of the second entry changed after it left
+    rounds.check_unstaged(r, 0, rnd, problems, bad_buffers)
+    assert len(problems) == 1 and "w[7:8, 0:32] from rank 2 (unstaged" in problems[0] and bad_buffers == {"w"}
+    assert torch.equal(parts[-1][1][0][0], checksum(views[0]))
+
+
+def test_pack_busiest_first_by_hand():
+    """Round 0: pair 0->2 (rank 0 has 1536 B to move, the most) takes its 1 KiB; 0->3 and 1->2 find
+    no room; 1->3 does.  Round 1: the rest.  Every rank within the budget in every round."""
+    from mcore_reshard.core.planner.topology import pack_busiest_first
+    copies = [(-1024, 0, 2, "a", (), (), 0), (-512, 0, 3, "b", (), (), 1), (-512, 1, 3, "c", (), (), 2),
+              (-256, 1, 2, "d", (), (), 3)]
+    placed, used, rounds = pack_busiest_first(copies, 1024)
+    assert rounds == 2
+    assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 2): ["a"], (0, 1, 3): ["c"],
+                                                               (1, 0, 3): ["b"], (1, 1, 2): ["d"]}
+    assert dict(used) == {0: [1024, 512], 2: [1024, 256], 1: [512, 256], 3: [512, 512]}

@@ -27,8 +27,14 @@ def test_synthetic_two_level_refit_counts_match_the_plan():
         for path in ("overlapped", "batched", "verify"):
             assert res[path]["mismatched"] == [], (rank, path, res[path])
             assert res[path]["messages"] == res[path]["plan_messages"], (rank, path, res[path])
-        for path in ("overlapped", "batched"):
+            # staged bytes (+ verify trailers) and the unstaged payload sent straight from the tensors,
+            # and the staging buffer: each as the plan gives them (unstaged messages take no staging)
             assert res[path]["bytes"] == res[path]["plan_bytes"], (rank, path, res[path])
+            assert res[path]["unstaged"] == res[path]["plan_unstaged"], (rank, path, res[path])
+            assert res[path]["staging"] == res[path]["plan_staging"], (rank, path, res[path])
+        if rank in (2, 3):      # the two receivers forward to each other: some forwards unstaged, some not
+            assert res["overlapped"]["plan_unstaged"] > 0
+        assert res["unstaged_forwards"] == res["unstaged_messages"] > 0 and res["staged_forwards"] > 0
         s = res["stats"]
         # both receivers (ranks 2, 3) need every replicated byte from domain 0: it crosses once (the
         # uneven odd.weight is split between them: 140 B that each needs alone); every forwarded
@@ -51,11 +57,13 @@ def test_megatron_two_level_refit_is_bit_exact_with_fewer_nic_bytes():
         assert len({r["hash"] for r in per_rank}) == 1
         for r in per_rank:
             assert r["bytes_sent"] == r["plan_bytes_from_me"], r
+            assert r["unstaged_sent"] == r["plan_unstaged_from_me"], r
             assert r["second_messages"] == r["plan_messages_from_me"], r
         r = per_rank[0]
         assert r["plan_nic_bytes"] == r["nic_bytes"] == r["bound"] < r["flat_nic_bytes"], r
         assert r["forwarded_bytes"] > 0 and r["network_bytes"] == r["flat_network_bytes"]
         assert sum(x["forwards_from_me"] for x in per_rank) > 0
+        assert sum(x["plan_unstaged_from_me"] for x in per_rank) > 0     # some copies go unstaged
         print(f"{spec['model']}: NIC bytes flat {r['flat_nic_bytes']} two-level {r['nic_bytes']} (bound {r['bound']}), "
               f"forwarded {r['forwarded_bytes']}, messages {sum(x['plan_messages_from_me'] for x in per_rank)}")
 

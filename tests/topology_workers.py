@@ -55,7 +55,9 @@ def megatron_two_level(rank: int, world: int, cases: list) -> list:
             "same_storage": all(p.data_ptr() == ptrs[n] for c in dst for n, p in c.named_parameters()),
             "network_bytes": stats["network_bytes"], "lower_bound_bytes": stats["lower_bound_bytes"],
             "messages_sent": sent["messages_sent"], "plan_messages_from_me": len(mine),
-            "bytes_sent": sent["staged_bytes_sent"], "plan_bytes_from_me": sum(m.nbytes for m in mine),
+            "bytes_sent": sent["staged_bytes_sent"], "plan_bytes_from_me": sum(m.nbytes for m in mine if not m.unstaged),
+            "unstaged_sent": sent["unstaged_bytes_sent"],
+            "plan_unstaged_from_me": sum(c.nbytes for m in mine if m.unstaged for c in m.entries),
             "forwards_from_me": sum(1 for m in mine if m.forward), "second_messages": again["messages_sent"],
             "nic_bytes": stats["nic_bytes"], "bound": stats["hierarchical_bound_bytes"],
             "forwarded_bytes": stats["forwarded_bytes"], "plan_nic_bytes": nic_bytes(plan, topo),
@@ -126,10 +128,25 @@ def synthetic_two_level(rank: int, world: int, budget: int) -> dict:
             t.fill_(float("nan"))
         res = r.refit()
         mine = [m for m in plan.messages if m.src == rank]
+        # the staging buffer, from the plan: per round, what this rank's staged messages send plus
+        # receive (+ a 16-byte checksum per entry of every message with verify, unstaged ones too)
+        per_round: dict = {}
+        for m in plan.messages:
+            if rank in (m.src, m.dst):
+                per_round[m.round] = per_round.get(m.round, 0) + (0 if m.unstaged else m.nbytes) + (
+                    16 * len(m.entries) if kw.get("verify") else 0)
         out[name] = {"mismatched": _exact(dst, rank, full, D), "messages": res["messages_sent"],
                      "plan_messages": len(mine), "bytes": res["staged_bytes_sent"],
-                     "plan_bytes": sum(m.nbytes for m in mine), "staging": r.staging_bytes}
+                     "plan_bytes": sum(m.nbytes + (16 * len(m.entries) if kw.get("verify") else 0) for m in mine
+                                       if not m.unstaged) + (sum(16 * len(m.entries) for m in mine if m.unstaged)
+                                                             if kw.get("verify") else 0),
+                     "unstaged": res["unstaged_bytes_sent"],
+                     "plan_unstaged": sum(c.nbytes for m in mine if m.unstaged for c in m.entries),
+                     "staging": r.staging_bytes, "plan_staging": max(per_round.values(), default=0)}
         dist.barrier()
+    out["unstaged_messages"] = sum(1 for m in plan.messages if m.unstaged)
+    out["unstaged_forwards"] = sum(1 for m in plan.messages if m.unstaged and m.forward)
+    out["staged_forwards"] = sum(1 for m in plan.messages if m.forward and not m.unstaged)
     out["stats"] = {k: plan.stats[k] for k in ("nic_bytes", "hierarchical_bound_bytes", "forwarded_bytes",
                                                "network_bytes", "rounds")}
     out["flat_nic_bytes"] = nic_bytes(make_plan(src, dst, budget_bytes=budget, templates=False), Topology(domains=DOMAINS))

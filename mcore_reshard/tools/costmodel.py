@@ -6,7 +6,7 @@ GPU's links are; :func:`predict` walks a :class:`~mcore_reshard.core.planner.Pla
     round time = max over ranks r of ( max(NIC out_r, NIC in_r) / nic_bw,
                                        max(NVLink out_r, NVLink in_r) / nvlink_bw )   (links overlap)
                  + per-message latency * messages posted by r
-                 + (pack + unpack bytes of r) / (hbm_bw / 2)                       (read + write)
+                 + (pack + unpack bytes of r) / (hbm_bw / 2)    (read + write; none for unstaged messages)
                  + round_latency
     refit time = local-copy time + sum of the round times
 
@@ -114,7 +114,7 @@ class Traffic:
             if getattr(self, f) is None:
                 setattr(self, f, defaultdict(int))
 
-    def add(self, topo: Topology, src: int, dst: int, nbytes: int, messages: int = 1) -> None:
+    def add(self, topo: Topology, src: int, dst: int, nbytes: int, messages: int = 1, staged: bool = True) -> None:
         if topo.same_domain(src, dst):
             self.nvl_out[src] += nbytes
             self.nvl_in[dst] += nbytes
@@ -122,8 +122,9 @@ class Traffic:
             self.nic_out[src] += nbytes
             self.nic_in[dst] += nbytes
         self.msgs[src] += messages
-        self.packed[src] += nbytes
-        self.packed[dst] += nbytes
+        if staged:      # an unstaged message (Message.unstaged) goes straight from / into the tensors
+            self.packed[src] += nbytes
+            self.packed[dst] += nbytes
 
     def link_time(self, topo: Topology) -> float:
         """max over ranks of the busiest link (NIC and NVLink run concurrently)."""
@@ -184,12 +185,13 @@ def paced(plan, topo: Topology) -> float:
     for m in plan.messages:
         by_round[m.round].append(m)
     for k in sorted(by_round):
-        starts = sorted((max(clock[m.src], clock[m.dst]), m.src, m.dst, _payload(m)) for m in by_round[k])
+        starts = sorted((max(clock[m.src], clock[m.dst]), m.src, m.dst, _payload(m), not getattr(m, "unstaged", False))
+                        for m in by_round[k])
         free: dict[tuple, float] = defaultdict(float)        # (rank, NVLink?, out?) -> queue free at
         end: dict[int, float] = {}
         posted: dict[int, int] = defaultdict(int)
         packed: dict[int, int] = defaultdict(int)
-        for t0, s, d, n in starts:
+        for t0, s, d, n, staged in starts:
             link = topo.same_domain(s, d)
             dt = n / (nvl if link else nic)
             a = free[(s, link, True)] = max(free[(s, link, True)], t0) + dt
@@ -198,8 +200,9 @@ def paced(plan, topo: Topology) -> float:
             end[s] = max(end.get(s, clock[s]), e)
             end[d] = max(end.get(d, clock[d]), e)
             posted[s] += 1
-            packed[s] += n
-            packed[d] += n
+            if staged:              # unstaged messages are neither packed nor unpacked
+                packed[s] += n
+                packed[d] += n
         for r, e in end.items():
             clock[r] = e + topo.msg_latency_s * posted[r] + 2 * packed[r] / topo.hbm_bw + topo.round_latency_s
     return max(clock.values(), default=0.0)
@@ -212,8 +215,8 @@ def predict(plan, topo: Topology) -> dict:
     total = Traffic()
     for m in plan.messages:
         n = _payload(m)
-        rounds[m.round].add(topo, m.src, m.dst, n)
-        total.add(topo, m.src, m.dst, n)
+        rounds[m.round].add(topo, m.src, m.dst, n, staged=not getattr(m, "unstaged", False))
+        total.add(topo, m.src, m.dst, n, staged=not getattr(m, "unstaged", False))
     local_s = _local_time(plan, topo)
     per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
     return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo), "local_s": local_s,

@@ -15,7 +15,8 @@ from .common import _CS_BYTES, torch_dtype
 @dataclass
 class Round:
     """One round of one rank: its sends and receives, each ``(peer, staging slice, [(staging view,
-    tensor view)], message, parts (:func:`parts`))``, and the peers it sends to / receives from."""
+    tensor view)], message, parts (:func:`parts`))`` (an unstaged message: ``[(wire view, tensor
+    view)]`` and :func:`unstaged_parts`), and the peers it sends to / receives from."""
     sends: list
     recvs: list
     send_peers: list = field(default_factory=list)
@@ -45,14 +46,40 @@ def per_round(plan: Plan, rank: int) -> dict[int, tuple[list, list]]:
     return out
 
 
+def staged_bytes(m, verify: bool) -> int:
+    """Staging bytes of message ``m``: its entries (none for an unstaged message, whose entries go
+    straight from / into their tensors), + a 16-byte checksum per entry with ``verify``."""
+    return (0 if m.unstaged else m.nbytes) + (_CS_BYTES * len(m.entries) if verify else 0)
+
+
 def staging_size(plan: Plan, rank: int, verify: bool = False) -> int:
     """Bytes of the one staging buffer a :class:`Resharder` of ``plan`` needs on ``rank``: the most
-    it sends plus receives in any round (+ a checksum per entry with ``verify``).  Resharders that
-    never run at the same time may share one buffer of the largest size (``staging=``), as the
-    FP8 refit's per-group plans do."""
-    trailer = _CS_BYTES if verify else 0
-    return max((sum(m.nbytes + trailer * len(m.entries) for m in sends + recvs)
+    it stages to send plus receive in any round (+ a checksum per entry with ``verify``; an
+    unstaged message stages nothing but those).  Resharders that never run at the same time may
+    share one buffer of the largest size (``staging=``), as the FP8 refit's per-group plans do."""
+    return max((sum(staged_bytes(m, verify) for m in sends + recvs)
                 for sends, recvs in per_round(plan, rank).values()), default=0)
+
+
+class Trailer(list):
+    """The verify checksums of an unstaged message (:attr:`Message.unstaged`), its last operation:
+    ``[(int64[2] slot in the staging slice, tensor view)]`` per entry.  The sender fills the slots
+    with its source views' checksums (:func:`~.rounds.pack`); the receiver compares them with its
+    destination views' once the round's receives have all landed (:func:`~.rounds.check_unstaged`):
+    the entries themselves went straight into the tensors, so they are checked where they landed."""
+
+
+def unstaged_parts(m, buf: torch.Tensor, views: list, verify: bool) -> tuple[list, list]:
+    """(pairs, parts) of an unstaged message: one operation per entry, straight from / into its
+    (contiguous, checked at bind) tensor view, then with ``verify`` the checksum trailer
+    (:class:`Trailer`) in the message's staging slice ``buf``."""
+    wires = [t.reshape(-1).view(torch.uint8) for t in views]
+    pairs = list(zip(wires, views))
+    parts = [(w, []) for w in wires]
+    if verify:
+        parts.append((buf, Trailer((buf[_CS_BYTES * j:_CS_BYTES * (j + 1)].view(torch.int64), t)
+                                   for j, t in enumerate(views))))
+    return pairs, parts
 
 
 def staging_view(plan: Plan, staging: torch.Tensor, c) -> torch.Tensor:
@@ -105,6 +132,11 @@ def parts(m, buf: torch.Tensor, pairs: list, verify: bool) -> list:
     return out
 
 
+def _unstaged(m, buf: torch.Tensor, views: list, verify: bool) -> tuple:
+    pairs, ps = unstaged_parts(m, buf, views, verify)
+    return pairs, m, ps
+
+
 def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
          verify: bool, staging: torch.Tensor | None, device: torch.device, dst_names) -> Binding:
     """Views, staging and stage bookkeeping of ``plan`` on ``rank`` (tensors already validated).
@@ -112,7 +144,6 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
     local = [(dst[c.dst_buffer][c.dst_local.slices()], src[c.src_buffer][c.src_local.slices()], c)
              for c in plan.local_copies if c.dst == rank]
     padding = [(dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == rank]
-    trailer = _CS_BYTES if verify else 0
     rounds_of = per_round(plan, rank)
     # ONE staging buffer per rank: in each round its front holds the messages this rank sends,
     # the rest the messages it receives (the plan keeps send + receive <= budget per round)
@@ -140,19 +171,27 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
         rnd = Round([], [])
         base = 0
         for m in sends:
-            n = m.nbytes + trailer * len(m.entries)
+            n = staged_bytes(m, verify)
             buf = buffer[base:base + n]
             # a forwarded message (two-level plans) reads this rank's destination buffers, written
             # in an earlier round (validate_plan checks it; rounds run in order)
             have = dst if m.forward else src
-            pairs = [(staging_view(plan, buf, c), have[c.src_buffer][c.src_local.slices()]) for c in m.entries]
-            rnd.sends.append((m.dst, buf, pairs, m, parts(m, buf, pairs, verify)))
+            views = [have[c.src_buffer][c.src_local.slices()] for c in m.entries]
+            if m.unstaged:
+                rnd.sends.append((m.dst, buf, *_unstaged(m, buf, views, verify)))
+            else:
+                pairs = [(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
+                rnd.sends.append((m.dst, buf, pairs, m, parts(m, buf, pairs, verify)))
             base += n
         for m in recvs:             # right after this round's sends, in the same buffer
-            n = m.nbytes + trailer * len(m.entries)
+            n = staged_bytes(m, verify)
             buf = buffer[base:base + n]
-            pairs = [(staging_view(plan, buf, c), dst[c.dst_buffer][c.dst_local.slices()]) for c in m.entries]
-            rnd.recvs.append((m.src, buf, pairs, m, parts(m, buf, pairs, verify)))
+            views = [dst[c.dst_buffer][c.dst_local.slices()] for c in m.entries]
+            if m.unstaged:
+                rnd.recvs.append((m.src, buf, *_unstaged(m, buf, views, verify)))
+            else:
+                pairs = [(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
+                rnd.recvs.append((m.src, buf, pairs, m, parts(m, buf, pairs, verify)))
             base += n
             for c in m.entries:
                 touch(c.dst_buffer, len(rounds))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import common
-from .binding import Round
+from .binding import Round, Trailer
 from .checksum import checksum
 from .common import _CS_BYTES, bounded_wait
 from .errors import TransferError, is_closed, is_timeout
@@ -45,6 +45,10 @@ def copy_all(dsts: list, srcs: list) -> None:
 def pack(r, buf: torch.Tensor, pairs: list, m, idx=None) -> None:
     """Copy the source views of message ``m`` into their staging views (+ checksums with verify):
     every pair, or the entries ``idx`` of the message's full ``pairs``."""
+    if isinstance(pairs, Trailer):      # an unstaged message's checksums: of its source views
+        for slot, t in pairs:
+            slot.copy_(checksum(t))
+        return
     sel = range(len(pairs)) if idx is None else idx
     copy_all([pairs[j][0] for j in sel], [pairs[j][1] for j in sel])
     if r.verify:
@@ -57,6 +61,8 @@ def unpack(r, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: li
     """Copy the staging views of a received message into their destination views: every pair, or
     the entries ``idx`` of the message's full ``pairs`` (verify: check the staged and the unpacked
     bytes; a corrupt entry is skipped and its buffer marked bad)."""
+    if isinstance(pairs, Trailer):      # checked once the round's receives have landed: check_unstaged
+        return
     n = len(r.rounds)
     sel = range(len(pairs)) if idx is None else idx
     if not r.verify:
@@ -76,6 +82,22 @@ def unpack(r, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: li
             problems.append(f"round {i + 1}/{n}: {c.tensor}{c.box} from rank {peer} differs from what "
                             f"arrived after unpacking into buffer {c.dst_buffer}")
             bad_buffers.add(c.dst_buffer)
+
+
+def check_unstaged(r, i: int, rnd: Round, problems: list[str], bad_buffers: set) -> None:
+    """With ``verify``, after every receive of round ``i`` landed: each entry of an unstaged message
+    (received straight into its destination view) against the checksum its sender computed from
+    the source view (the message's :class:`~.binding.Trailer`); a mismatch marks the buffer bad."""
+    if not r.verify:
+        return
+    for peer, _, _, m, ps in rnd.recvs:
+        if not m.unstaged:
+            continue
+        for c, (slot, d) in zip(m.entries, ps[-1][1]):
+            if not torch.equal(checksum(d), slot):
+                problems.append(f"round {i + 1}/{len(r.rounds)}: {c.tensor}{c.box} from rank {peer} (unstaged, "
+                                f"received straight into buffer {c.dst_buffer}) differs from what rank {peer} sent")
+                bad_buffers.add(c.dst_buffer)
 
 
 def round_error(r, v: int, i: int, rnd: Round, label: str, e: BaseException, waited: float) -> TransferError:
@@ -154,6 +176,15 @@ def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> li
     in it is unpacked (``verify``: all of them after the last slice, which carries the checksum
     trailer).  Sizes come from the plan alone, so both ends post matching operations in matching
     groups."""
+    if m.unstaged:      # one operation per entry, in the window of its offset; the trailer with the last
+        wins, k = windows(m.nbytes), 0
+        out = [[] for _ in wins]
+        for c, (w, pp) in zip(m.entries, parts):
+            while k + 1 < len(wins) and c.offset >= wins[k][1]:
+                k += 1
+            out[k].append((w, ("pairs", pp)))
+        out[k] += [(w, ("pairs", pp)) for w, pp in parts[len(m.entries):]]
+        return [g for g in out if g]
     wins = windows(buf.numel())
     if not verify and not (len(parts) == 1 and parts[0][0] is buf):
         out: list[list] = [[] for _ in wins]
@@ -270,6 +301,7 @@ def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffer
         prev = cur
     clock.idle_until(prev[1])
     finish(*prev)
+    check_unstaged(r, i, rnd, problems, bad_buffers)
 
 
 def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set, background=None) -> None:
@@ -328,6 +360,7 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
             clock.wait(recv_works[k], f"receiving from rank {peer}")
             unpack(r, i, peer, w, pairs, m, problems, bad_buffers)
         pending = [k for k in pending if k not in batch]
+    check_unstaged(r, i, rnd, problems, bad_buffers)
     while clock.idle():
         pass
     for work, label in send_works:

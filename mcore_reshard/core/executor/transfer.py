@@ -82,7 +82,7 @@ def transfer(r, v: int, problems: list[str]) -> dict:
         local.drain()
         stage_end(r, -1, v)
 
-    sent = nmsg = 0
+    sent = nmsg = direct = 0
     run_round = round_overlapped if r.overlapped() else round_batched
     if r.rounds and any(m.forward for *_, m, _ in r.rounds[0].sends):
         # a forwarded send (two-level plans) packs destination views, which the local copies may
@@ -102,7 +102,10 @@ def transfer(r, v: int, problems: list[str]) -> dict:
         r._dirty = False
         stage_end(r, i, v)
         nmsg += len(rnd.sends)
-        sent += sum(b.numel() for _, b, *_ in rnd.sends)
+        for _, b, _, m, _ in rnd.sends:
+            sent += b.numel()
+            if m.unstaged:
+                direct += sum(c.nbytes for c in m.entries)
     if not r.rounds:
         local_done()
     changed = sorted(n for n, t in r.src.items() if not torch.equal(checksum(t), src_sums[n])) if r.verify else []
@@ -116,7 +119,9 @@ def transfer(r, v: int, problems: list[str]) -> dict:
         if changed:
             drop_version(r, v)
         raise TransferError(f"refit {v} on rank {r.rank} failed verification: " + "; ".join(problems[:8]), version=v)
-    return {"messages_sent": nmsg, "staged_bytes_sent": sent}
+    # staged_bytes_sent: what went through the staging buffer (+ verify trailers); unstaged_bytes_sent:
+    # the payload of unstaged messages, sent straight from the tensors
+    return {"messages_sent": nmsg, "staged_bytes_sent": sent, "unstaged_bytes_sent": direct}
 
 
 def drop_version(r, v: int) -> None:

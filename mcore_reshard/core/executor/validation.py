@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..planner import Plan, validate_plan
 from .binding import staging_size
-from .common import dtype_name, group_ranks_hint
+from .common import dtype_name, group_ranks_hint, torch_dtype
 
 
 def check_tensors(plan: Plan, rank: int, side: str, tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -108,6 +108,34 @@ def check_devices(rank: int, group, src: Mapping[str, torch.Tensor], dst: Mappin
     return errors
 
 
+def check_unstaged_views(plan: Plan, rank: int, src: Mapping[str, torch.Tensor],
+                         dst: Mapping[str, torch.Tensor]) -> list[str]:
+    """Every entry of an unstaged message (:attr:`Message.unstaged`) of ``rank`` goes straight from /
+    into a view of this rank's tensor: that view must be contiguous and of the wire's dtype (the
+    plan's source dtype), or the message cannot go without staging.  A forwarded message reads
+    this rank's destination tensors."""
+    errors = []
+    for m in plan.messages:
+        if not m.unstaged or rank not in (m.src, m.dst):
+            continue
+        for c in m.entries:
+            want = torch_dtype(plan.tensors[c.tensor]["src_dtype"])
+            for side, r, bname, local in (("dst" if m.forward else "src", c.src, c.src_buffer, c.src_local),
+                                          ("dst", c.dst, c.dst_buffer, c.dst_local)):
+                if r != rank:
+                    continue
+                t = (dst if side == "dst" else src)[bname]
+                v = t[local.slices()]
+                if not v.is_contiguous() or v.dtype != want or v.numel() * v.element_size() != c.nbytes:
+                    errors.append(f"rank {rank}: round {m.round} unstaged message {m.src}->{m.dst}: {c.tensor}{c.box} "
+                                  f"{side} tensor {bname} {list(t.shape)} {dtype_name(t.dtype)} region {local} is "
+                                  + ("not contiguous" if not v.is_contiguous() else f"not {dtype_name(want)}")
+                                  + f" (strides {list(t.stride())}): it cannot go straight from / into the tensor")
+                    if len(errors) >= 8:
+                        return errors
+    return errors
+
+
 def check_layouts(plan: Plan, rank: int, src_layout, dst_layout) -> list[str]:
     """``plan`` is what the layouts it claims to come from give ``rank``: tensor shapes and
     dtypes, this rank's buffers, and every copy's local boxes (the piece holding its global box,
@@ -178,10 +206,12 @@ def check_binding(plan: Plan, rank: int, world: int, group, src: Mapping[str, to
                       "point-to-point operations must stay in one batch_isend_irecv per round")
     problems = validate_plan(plan, rank, limit=5)
     if not problems:
-        need = staging_size(plan, rank)
+        need = staging_size(plan, rank)     # staged messages only: an unstaged one takes no staging
         if need > plan.budget_bytes:
             problems.append(f"rank {rank} would stage {need} B in one round, over the plan's budget of {plan.budget_bytes} B")
     errors += [f"rank {rank}: plan is inconsistent: {p}" for p in problems]
+    if not problems and not errors:
+        errors += check_unstaged_views(plan, rank, src, dst)
     if layouts is not None and not problems:
         errors += check_layouts(plan, rank, *layouts)
     return errors

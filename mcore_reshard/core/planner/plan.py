@@ -89,6 +89,17 @@ def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, n
     return _tuple_new(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
 
 
+def contiguous(sizes, shape) -> bool:
+    """Whether a box of ``sizes`` is one contiguous run of a row-major buffer of ``shape``: every
+    dim after its first dim of size != 1 is full (offsets do not matter).  Decides, from the plan
+    alone, whether a copy can go straight from / into its tensors (:attr:`Message.unstaged`)."""
+    sizes = tuple(sizes)
+    for d, n in enumerate(sizes):
+        if n != 1:
+            return tuple(sizes[d + 1:]) == tuple(shape[d + 1:])
+    return True
+
+
 def _box_json(o) -> Box:
     offs, sizes = tuple(o[0]), tuple(o[1])
     if len(offs) == len(sizes) and (not sizes or (min(sizes) >= 0 and min(offs) >= 0)):
@@ -100,28 +111,40 @@ def _box_json(o) -> Box:
 class Message:
     """The copies ``src`` sends ``dst`` in one round.  ``forward``: a two-level plan's forwarded
     message (:mod:`.topology`): its entries' ``src_buffer`` / ``src_local`` name the sender's
-    *destination* buffer, written in an earlier round; in the JSON (and so the hash) only when set."""
+    *destination* buffer, written in an earlier round.  ``unstaged`` (two-level plans): every
+    entry is contiguous in its buffer on both ends (:func:`contiguous`, the tensor not cast) and
+    goes straight from the sender's tensor into the receiver's, one operation per entry, without
+    staging: the message takes no staging memory and no part of the budget (its ``nbytes`` and
+    entry offsets are laid out as for any message, but nothing is staged there).  Each flag is
+    in the JSON (and so the hash) only when set."""
     round: int
     src: int
     dst: int
-    nbytes: int                 # staging bytes (entries aligned to 16 bytes)
+    nbytes: int                 # staging bytes (entries aligned to 16 bytes); none staged when unstaged
     entries: tuple[Copy, ...]
     forward: bool = False
+    unstaged: bool = False
 
     def to_json(self) -> dict:
         o = {"round": self.round, "src": self.src, "dst": self.dst, "nbytes": self.nbytes,
              "entries": [c.to_json() for c in self.entries]}
         if self.forward:
             o["forward"] = True
+        if self.unstaged:
+            o["unstaged"] = True
         return o
 
     @staticmethod
     def from_json(o) -> "Message":
-        fwd = o.get("forward", False)
-        if fwd is not False and fwd is not True:
-            raise PlanError(f"message round {o.get('round')} {o.get('src')}->{o.get('dst')}: forward={fwd!r} "
-                            "must be true or false")
-        return Message(o["round"], o["src"], o["dst"], o["nbytes"], tuple(Copy.from_json(c) for c in o["entries"]), fwd)
+        flags = []
+        for key in ("forward", "unstaged"):
+            x = o.get(key, False)
+            if x is not False and x is not True:
+                raise PlanError(f"message round {o.get('round')} {o.get('src')}->{o.get('dst')}: {key}={x!r} "
+                                "must be true or false")
+            flags.append(x)
+        return Message(o["round"], o["src"], o["dst"], o["nbytes"], tuple(Copy.from_json(c) for c in o["entries"]),
+                       *flags)
 
 
 @dataclass

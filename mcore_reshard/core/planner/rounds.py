@@ -92,7 +92,8 @@ class RoundFill:
         return k, cnt
 
 
-def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
+def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None,
+                 unstaged: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -107,9 +108,17 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
 
     ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
     copy, each first-fit from the round after the one its carrier's own copy landed in; they
-    make messages of their own (``Message.forward``)."""
+    make messages of their own (``Message.forward``); the other copies of a two-level plan
+    (``forwards`` not None) are packed by :func:`~.topology.pack_busiest_first` instead.
+    ``unstaged`` (two-level plans): copies that take no staging (:func:`~.topology.place_unstaged`),
+    messages of their own (``Message.unstaged``)."""
+    if forwards is not None:            # two-level plans: busiest ranks first, round by round
+        from .topology import pack_busiest_first
+        placed, used, rounds = pack_busiest_first(copies, budget)
+        copies = []
+    else:
+        placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     fill = RoundFill(budget)
-    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
     # the lowest round where both ranks have room until one of them is full, then the next such
     # round (lower rounds never regain room), so a run is placed round by round, as many at once
@@ -128,9 +137,13 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
             k, cnt = fill.place(s, d, n, end - j)
             placed[(k, s, d)].extend(srt[j:j + cnt])
             j += cnt
-    used, rounds = fill.used, fill.rounds
+    if forwards is None:
+        used, rounds = fill.used, fill.rounds
     if forwards:
         rounds = max(rounds, _place_forwards(forwards, budget, used, placed))
+    if unstaged:
+        from .topology import place_unstaged
+        rounds = max(rounds, place_unstaged(unstaged, rounds, placed))
     messages = []
     entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
     # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
@@ -138,7 +151,7 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
-    for key in sorted(placed):         # (round, src, dst), then (round, src, dst, 1): forwarded
+    for key in sorted(placed):         # (round, src, dst), then (round, src, dst, flag): _FLAGS
         k, s, d = key[:3]
         group = placed[key]
         if len(group) > 1:
@@ -151,21 +164,29 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
             off += (nb + ALIGN - 1) // ALIGN * ALIGN
             payload += nb
         m = _new(Message)               # as Message(...) without the frozen dataclass __init__
-        _setattr(m, "__dict__", {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)}
-                 if len(key) == 3 else {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries),
-                                        "forward": True})
+        md = {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)}
+        if len(key) > 3:
+            md.update(_FLAGS[key[3]])
+        _setattr(m, "__dict__", md)
         messages.append(m)
         sent[s] += payload
         recv[d] += payload
-        stage_send[(k, s)] += off
-        stage_recv[(k, d)] += off
+        if len(key) == 3 or key[3] == 1:        # unstaged messages take no staging
+            stage_send[(k, s)] += off
+            stage_recv[(k, d)] += off
     return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
 
+#: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged, unstaged
+_FLAGS = {1: {"forward": True}, 2: {"forward": True, "unstaged": True}, 3: {"unstaged": True}}
+
+
 def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int]], placed: dict) -> int:
     """First-fit (largest first) of forwarded copies into rounds after their carrier's copy; returns
-    the rounds used.  ``used``: per rank, staged bytes per round so far (updated)."""
+    the rounds used.  ``used``: per rank, staged bytes per round so far (updated).  An unstaged
+    forwarded copy (16th item true, :attr:`Message.unstaged`) takes no staging: it goes in the
+    round right after its carrier's copy landed, whatever the budget."""
     want = {f[14] for f in forwards}
     landed: dict[tuple, int] = {}       # carrier copy key -> round it lands in
     for (k, s, d), group in placed.items():
@@ -178,8 +199,13 @@ def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int
     for f in forwards:
         lim = budget - (-f[0] + ALIGN - 1) // ALIGN * ALIGN
         s, d = f[1], f[2]
-        us, ud = used.setdefault(s, []), used.setdefault(d, [])
         k = landed[f[14]] + 1
+        if len(f) > 15 and f[15]:
+            placed.setdefault((k, s, d, 2), []).append(f)
+            if k >= rounds:
+                rounds = k + 1
+            continue
+        us, ud = used.setdefault(s, []), used.setdefault(d, [])
         end = max(len(us), len(ud), k) + 1      # both padded with empty rounds: the scan stops inside
         if len(us) < end:
             us.extend([0] * (end - len(us)))

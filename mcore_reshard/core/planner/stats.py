@@ -44,8 +44,9 @@ def plan_stats(plan: Plan, lower_bound: int | None = None) -> dict:
         payload = sum(c.nbytes for c in m.entries)
         sent[m.src] += payload
         recv[m.dst] += payload
-        stage_send[(m.round, m.src)] += m.nbytes
-        stage_recv[(m.round, m.dst)] += m.nbytes
+        if not m.unstaged:          # an unstaged message takes no staging
+            stage_send[(m.round, m.src)] += m.nbytes
+            stage_recv[(m.round, m.dst)] += m.nbytes
     return _stats(plan, lower_bound, (sent, recv, stage_send, stage_recv))
 
 

@@ -27,7 +27,7 @@ from math import prod
 from ..box import Box, split_box, unchecked_box
 from .index import _atoms, _disjoint
 from .matching import ToLocal
-from .plan import ALIGN, PlanError
+from .plan import ALIGN, PlanError, contiguous
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Topology:
 
 
 def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: int,
-                    to_local: ToLocal) -> tuple[list[tuple], list[tuple], int]:
+                    to_local: ToLocal, shape_of=None) -> tuple[list[tuple], list[tuple], int]:
     """(remote regions for :func:`~.senders.choose_senders`, forwarded copies, NIC lower bound in bytes).
 
     ``remote`` are :func:`~.matching.match`'s regions (-bytes, tensor, offsets, sizes, dst rank,
@@ -86,8 +86,11 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
     receivers is kept for one carrier only; the others get forwarded copies, tuples like the
     senders' copies (-bytes, carrier, dst, tensor, offsets, sizes, sequence number, carrier's dst
     buffer, carrier's local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box,
-    (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy),
-    split to fit the budget exactly as the carrier's copy is."""
+    (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy,
+    unstaged), split to fit the budget exactly as the carrier's copy is.  ``shape_of(rank, dst
+    buffer)``: the buffer's local shape; a forwarded copy contiguous in both destination buffers
+    (:func:`~.plan.contiguous`) is *unstaged* (:attr:`~.plan.Message.unstaged`): it goes straight
+    from the carrier's tensor into the receiver's, no staging (None: every copy staged)."""
     dmap: dict[int, int] = {}          # rank -> domain, looked up once per rank
     topo_domain = topo.domain
 
@@ -163,7 +166,7 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
             if x[4] == carrier[4]:            # the same rank twice: no message to itself, sent directly
                 out.append(x)
                 continue
-            forwards.extend(_forward_copies(carrier, x, budget, to_local, seq))
+            forwards.extend(_forward_copies(carrier, x, budget, to_local, seq, shape_of))
     return out, forwards, bound
 
 
@@ -185,11 +188,15 @@ def _atomize(by_box: dict, keys: list, seq: list, to_local: ToLocal) -> dict:
     return out
 
 
-def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, seq: list) -> list[tuple]:
-    """The forwarded copies of region ``x`` from ``carrier`` (same box), split as the carrier's copy is."""
+def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, seq: list,
+                    shape_of=None) -> list[tuple]:
+    """The forwarded copies of region ``x`` from ``carrier`` (same box), split as the carrier's copy
+    is; each unstaged where contiguous in both destination buffers (``shape_of`` given)."""
     isz = x[9]
     limit = max(1, (budget - ALIGN) // isz) * isz
     boxes = [x[10]] if -x[0] <= limit else split_box(x[10], limit // isz)
+    cshape = shape_of(carrier[4], carrier[5]) if shape_of is not None else None
+    dshape = shape_of(x[4], x[5]) if shape_of is not None else None
     out = []
     for b in boxes:
         o, s = b.offsets, b.sizes
@@ -197,14 +204,15 @@ def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, se
         dlo, dls = to_local(x[8], o, s)
         n = seq[0]
         seq[0] += 1
+        direct = cshape is not None and contiguous(cls, cshape) and contiguous(dls, dshape)
         out.append((-prod(s) * isz, carrier[4], x[4], x[1], o, s, n, carrier[5], unchecked_box(clo, cls), x[5],
-                    dlo, dls, b, unchecked_box(dlo, dls), (carrier[4], carrier[5], x[1], o, s)))
+                    dlo, dls, b, unchecked_box(dlo, dls), (carrier[4], carrier[5], x[1], o, s), direct))
     return out
 
 
 def link_stats(messages, topo: Topology) -> dict:
-    """NIC / NVLink / forwarded bytes of a plan's messages under ``topo``."""
-    nic = nvl = fwd = 0
+    """NIC / NVLink / forwarded / unstaged bytes of a plan's messages under ``topo``."""
+    nic = nvl = fwd = direct = 0
     dom = topo.domain
     for m in messages:
         payload = sum(c.nbytes for c in m.entries)
@@ -214,4 +222,127 @@ def link_stats(messages, topo: Topology) -> dict:
             nic += payload
         if m.forward:
             fwd += payload
-    return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd}
+        if m.unstaged:
+            direct += payload
+    return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd, "unstaged_bytes": direct}
+
+
+def split_unstaged(copies: list[tuple], topo: Topology, tensors: dict, src_shape, dst_shape) -> tuple[list, list]:
+    """(staged copies, unstaged copies) of :func:`~.senders.choose_senders`' copies: a copy inside
+    one NVLink domain, of a tensor not cast, contiguous in its source and its destination buffer
+    (:func:`~.plan.contiguous`; ``src_shape`` / ``dst_shape``: (rank, buffer) -> local shape) goes
+    straight from tensor to tensor (:attr:`~.plan.Message.unstaged`) and takes no staging.  NIC
+    copies stay staged: the budget paces them, round by round, on the slower link."""
+    dom = topo.domain
+    same = {n: t["src_dtype"] == t["dst_dtype"] for n, t in tensors.items()}
+    shapes: dict[tuple, tuple] = {}
+    staged, direct = [], []
+    for c in copies:
+        s, d = c[1], c[2]
+        if not same[c[3]] or dom(s) != dom(d):
+            staged.append(c)
+            continue
+        ks, kd = (0, s, c[7]), (1, d, c[9])
+        ss = shapes.get(ks)
+        if ss is None:
+            ss = shapes[ks] = tuple(src_shape(s, c[7]))
+        ds = shapes.get(kd)
+        if ds is None:
+            ds = shapes[kd] = tuple(dst_shape(d, c[9]))
+        (direct if contiguous(c[8].sizes, ss) and contiguous(c[11], ds) else staged).append(c)
+    return staged, direct
+
+
+def place_unstaged(direct: list[tuple], rounds: int, placed: dict) -> int:
+    """Unstaged copies (no staging, no budget) spread over the ``rounds`` the staged copies take:
+    first fit (largest first) under a per-rank cap of the busiest rank's unstaged bytes (sent +
+    received) / ``rounds``, so that each round carries about its share next to its staged bytes
+    instead of all of them at once; into ``placed`` under (round, src, dst, 3).  Returns the rounds used."""
+    direct.sort()
+    need: dict[int, int] = defaultdict(int)
+    for c in direct:
+        need[c[1]] -= c[0]
+        need[c[2]] -= c[0]
+    if not direct:
+        return 0
+    cap = max(-(-max(need.values()) // max(rounds, 1)), -direct[0][0])
+    used: dict[int, list[int]] = defaultdict(list)
+    first: dict[int, int] = defaultdict(int)      # rank -> rounds before this one are full (to the cap)
+    out = 0
+    for c in direct:
+        n, s, d = -c[0], c[1], c[2]
+        us, ud = used[s], used[d]
+        k = max(first[s], first[d])
+        while True:
+            a = us[k] if k < len(us) else 0
+            b = ud[k] if k < len(ud) else 0
+            if a + n <= cap and b + n <= cap:
+                break
+            k += 1
+        for u, r in ((us, s), (ud, d)):
+            if len(u) <= k:
+                u.extend([0] * (k + 1 - len(u)))
+            u[k] += n
+            while first[r] < len(u) and u[first[r]] >= cap:
+                first[r] += 1
+        placed.setdefault((k, s, d, 3), []).append(c)
+        if k >= out:
+            out = k + 1
+    return out
+
+
+def pack_busiest_first(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]], int]:
+    """Round packing of two-level plans' staged copies: round by round, the copies of the ranks with
+    the most staged bytes left go first.  (placed: (round, src, dst) -> copies, per-rank staged
+    bytes per round, rounds.)
+
+    Each round starts with every rank's whole budget; the (src, dst) pairs are taken by the larger
+    of their two ranks' bytes still to place (ties: the pair), each pair's copies largest first,
+    every copy that fits both ranks' room; what does not fit waits for the next round.  So a
+    critical rank (the busiest NIC sender or receiver) fills every round until its bytes run out,
+    where a first fit over all copies largest first (:func:`~.rounds._pack_rounds`, flat plans)
+    fills early rounds with whatever is largest and leaves the critical ranks' peers short in them:
+    on the full-size configurations this is what brings the cost model's paced time within 1.15x
+    of the link bound (BENCHMARKS.md A.2).  A fresh round always places the first pair's largest
+    copy (every copy fits an empty budget), so every round places something."""
+    rem: dict[int, int] = defaultdict(int)
+    pairs: dict[tuple[int, int], list] = defaultdict(list)
+    for c in sorted(copies):            # largest first (then the sequence order), per pair
+        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        rem[c[1]] += n
+        rem[c[2]] += n
+        pairs[(c[1], c[2])].append((n, c))
+    placed: dict = defaultdict(list)
+    used: dict[int, list[int]] = defaultdict(list)
+    k = 0
+    while pairs:
+        order = sorted(pairs, key=lambda p: (-max(rem[p[0]], rem[p[1]]), p))
+        room: dict[int, int] = {}
+        for p in order:
+            s, d = p
+            lim = min(room.get(s, budget), room.get(d, budget))
+            items = pairs[p]
+            if lim < items[-1][0]:      # not even the pair's smallest copy fits
+                continue
+            keep, got = [], 0
+            for n, c in items:
+                if n <= lim - got:
+                    got += n
+                    placed[(k, s, d)].append(c)
+                else:
+                    keep.append((n, c))
+            room[s] = room.get(s, budget) - got
+            room[d] = room.get(d, budget) - got
+            rem[s] -= got
+            rem[d] -= got
+            if keep:
+                pairs[p] = keep
+            else:
+                del pairs[p]
+        for r, x in room.items():
+            u = used[r]
+            if len(u) < k:
+                u.extend([0] * (k - len(u)))
+            u.append(budget - x)
+        k += 1
+    return placed, used, k

@@ -7,7 +7,7 @@ from collections import defaultdict
 from ..box import Box
 from ..layout import itemsize
 from .index import _uncovered
-from .plan import ALIGN, Copy, Plan, paused_gc
+from .plan import ALIGN, Copy, Plan, contiguous, paused_gc
 
 @paused_gc()
 def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[str]:
@@ -17,7 +17,9 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
     Checks every copy that involves ``rank`` (every copy when ``rank`` is None): tensor, buffers
     and ranks known to the plan; global/local boxes of equal size, inside their tensor and buffers;
     byte counts; message entries 16-byte aligned, inside their message and not overlapping; at
-    most one message per (round, src, dst) and rounds below ``plan.rounds``; and, for each
+    most one message per (round, src, dst) and rounds below ``plan.rounds``; each rank's staged
+    bytes per round (sends + receives of its messages that are not unstaged) within the budget;
+    every entry of an unstaged message contiguous in both its buffers, of a tensor not cast; and, for each
     destination buffer of ``rank``, that the copies and zero padding write every element exactly
     once (two pieces claiming the same region, or a region nobody writes, are reported).
     """
@@ -94,15 +96,18 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
         if c.src != c.dst:
             bad(f"{where}: local copy of {c.tensor}{c.box} goes from rank {c.src} to rank {c.dst}")
         check_copy(c, where)
-    seen: set[tuple[int, int, int]] = set()
+    seen: set[tuple] = set()
+    staged: dict[tuple[int, int], int] = defaultdict(int)     # (round, rank) -> staged bytes
     for m in plan.messages:
         if rank is not None and rank not in (m.src, m.dst):
             continue
         fwd = getattr(m, "forward", False)
-        where = f"round {m.round} {'forwarded ' if fwd else ''}message {m.src}->{m.dst}"
+        direct = getattr(m, "unstaged", False)
+        where = (f"round {m.round} {'forwarded ' if fwd is True else ''}{'unstaged ' if direct is True else ''}"
+                 f"message {m.src}->{m.dst}")
         stage = m.round
-        if fwd is not False and fwd is not True:
-            bad(f"{where}: forward={fwd!r} must be True or False")
+        if fwd is not False and fwd is not True or direct is not False and direct is not True:
+            bad(f"{where}: forward={fwd!r} / unstaged={direct!r} must be True or False")
             continue
         if not ints(m.round, m.src, m.dst, m.nbytes):
             bad(f"{where}: round, ranks and byte count must be integers")
@@ -111,9 +116,12 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             bad(f"{where}: round {m.round} is outside the plan's {plan.rounds} round(s)")
         if m.src == m.dst:
             bad(f"{where}: a message from a rank to itself")
-        if (m.round, m.src, m.dst, fwd) in seen:
+        if (m.round, m.src, m.dst, fwd, direct) in seen:
             bad(f"{where}: two messages for the same round and rank pair")
-        seen.add((m.round, m.src, m.dst, fwd))
+        seen.add((m.round, m.src, m.dst, fwd, direct))
+        if not direct:
+            staged[(m.round, m.src)] += m.nbytes
+            staged[(m.round, m.dst)] += m.nbytes
         spans = []
         for c in m.entries:
             if (c.src, c.dst) != (m.src, m.dst):
@@ -123,12 +131,18 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                     f"the {m.nbytes} B message")
             spans.append((c.offset, c.offset + c.nbytes, c.tensor))
             check_copy(c, where, fwd)
+            if direct:
+                _check_unstaged(plan, c, fwd, where, bad)
             if fwd and (rank is None or c.src == rank):
                 forwarded.append((c, m.round, where))
         spans.sort()
         for (a0, a1, ta), (b0, b1, tb) in zip(spans, spans[1:]):
             if b0 < a1:
                 bad(f"{where}: entries {ta} and {tb} overlap in the staging buffer (bytes {b0}..{a1})")
+    for (k, r), n in sorted(staged.items()):
+        if n > plan.budget_bytes and (rank is None or r == rank):
+            bad(f"rank {r} stages {n} B in round {k} (sends + receives of its staged messages), over the plan's "
+                f"budget of {plan.budget_bytes} B")
     _check_forwards(forwarded, landed, bad)
     for r, b, box in plan.padding:
         if rank is not None and r != rank:
@@ -140,6 +154,12 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             bad(f"padding on rank {r}: region {box} is outside buffer {b} of shape {list(bm[0])}")
         else:
             writes[(r, b)].append((box, "zero padding"))
+    _check_writes(plan, rank, writes, bad)
+    return problems
+
+
+def _check_writes(plan: Plan, rank: int | None, writes: dict, bad) -> None:
+    """Every element of each destination buffer (of ``rank``) written exactly once by ``writes``."""
     for r, bufs in sorted(plan.buffers.get("dst", {}).items()):
         if rank is not None and r != rank:
             continue
@@ -165,7 +185,25 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
                 hole = _uncovered(Box.full(shape), [b for b, _ in boxes]) if written < total else None
                 bad(f"destination rank {r} buffer {name} of shape {list(shape)}: the plan writes {written} of its "
                     f"{total} elements" + (f"; nothing writes {hole}" if hole is not None else ""))
-    return problems
+
+
+def _check_unstaged(plan: Plan, c: Copy, fwd: bool, where: str, bad) -> None:
+    """An entry of an unstaged message goes straight from its source view into its destination view:
+    both must be contiguous in their buffers (as the plan's buffer shapes give them) and of the
+    wire's dtype (the tensor not cast)."""
+    meta = plan.tensors.get(c.tensor)
+    if meta is None:
+        return      # reported by check_copy
+    if meta["src_dtype"] != meta["dst_dtype"]:
+        bad(f"{where}: unstaged copy of {c.tensor}{c.box}: the tensor is cast ({meta['src_dtype']} -> "
+            f"{meta['dst_dtype']}): it cannot go straight from one tensor into the other")
+        return
+    for side, r, bname, local in (("dst" if fwd else "src", c.src, c.src_buffer, c.src_local),
+                                  ("dst", c.dst, c.dst_buffer, c.dst_local)):
+        bm = plan.buffers.get(side, {}).get(r, {}).get(bname)
+        if bm is not None and local.ndim == len(bm[0]) and not contiguous(local.sizes, bm[0]):
+            bad(f"{where}: unstaged copy of {c.tensor}{c.box}: {side} local box {local} of rank {r} buffer {bname} "
+                f"of shape {list(bm[0])} is not contiguous (an unstaged copy goes straight from / into its tensor)")
 
 
 def _full(fulls: dict, shape) -> Box:
