@@ -23,9 +23,19 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
     staging offset (in greedy order: the sequence number only orders copies that tie on everything
     before it, so a plain sort is the packing order)."""
     copies: list[tuple] = []
-    src_boxes: dict[tuple, Box] = {}
-    piece_keys: dict[int, tuple] = {}   # id(source piece) -> what its local box of a sub-box depends on
+    # a source local Box depends only on the sub-box's offsets relative to its piece's box, its
+    # sizes, and the piece's geometry (box sizes, local offsets and sizes): one Box per distinct
+    # such key, shared (e.g. 256 stacked experts, each its own piece, cut alike: 1 Box, not 256)
+    geo_ids: dict[tuple, int] = {}      # (box sizes, local offsets, local sizes) -> geometry id
+    by_id: dict[int, tuple] = {}        # id(source piece) -> (its box offsets, geometry id)
+    src_boxes: dict[tuple, Box] = {}    # (relative offsets, sizes, geometry id) -> source local Box
     max_bytes: dict[int, int] = {}      # itemsize -> largest copy that fits the budget unsplit
+
+    def info(spiece: Piece) -> tuple:
+        pb, pl = spiece.box, spiece.local
+        g = geo_ids.setdefault((pb.sizes, pl.offsets, pl.sizes), len(geo_ids))
+        got = by_id[id(spiece)] = (pb.offsets, g)
+        return got
 
     def copies_of(x: tuple, h: tuple, seq: int) -> list[tuple]:
         """The copies of region ``x`` sent by holder ``h``, numbered from ``seq`` (split to fit the budget)."""
@@ -35,12 +45,8 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
         if limit is None:
             limit = max_bytes[isz] = max(1, (budget_bytes - ALIGN) // isz) * isz
         if -neg <= limit:
-            pk = piece_keys.get(id(spiece))
-            if pk is None:
-                pb, pl = spiece.box, spiece.local
-                pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
-                                               else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
-            skey = (id(rbox), pk)       # rbox is shared (and alive) per geometry: same id, same box
+            pi = by_id.get(id(spiece)) or info(spiece)
+            skey = (tuple(map(sub, offs, pi[0])), sizes, pi[1])
             slbox = src_boxes.get(skey)
             if slbox is None:
                 slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
@@ -103,20 +109,17 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
         # copies_of(x, h, n), inlined for the common case: one unsplit copy
         isz = x[9]
         limit = max_bytes.get(isz)
-        spiece = h[2]
-        pk = piece_keys.get(id(spiece))
-        if pk is None:
-            pb, pl = spiece.box, spiece.local
-            pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
-                                           else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
         if limit is None or -x[0] > limit:
             extend(copies_of(x, h, n))
             continue
-        slbox = src_boxes.get((id(x[10]), pk))
+        spiece = h[2]
+        pi = by_id.get(id(spiece)) or info(spiece)
+        offs, sizes = x[2], x[3]
+        skey = (tuple(map(sub, offs, pi[0])), sizes, pi[1])
+        slbox = src_boxes.get(skey)
         if slbox is None:
-            extend(copies_of(x, h, n))
-            continue
-        append((x[0], best, x[4], x[1], x[2], x[3], n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
+            slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
+        append((x[0], best, x[4], x[1], offs, sizes, n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
     for p in _rebalance(remote, chosen, load, by_rank):
         n = first_copy[p]
         new = copies_of(remote[p], chosen[p], n)
