@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from heapq import heappush
+
 from .rounds import RoundFill
 
 WAVE_SLACK = 1.1     # a first order needing more than this x the fewest rounds: the other order is tried too
@@ -111,6 +113,7 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
     pairs: dict[int, int] = defaultdict(int)
     fill = RoundFill(budget)
     place = fill.place
+    getst, mkst, relim = fill.state.get, fill._state, fill._relim
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
     nmask = (1 << (bits.w - bits.n)) - 1
     rm, im, qm = bits.rmask, bits.imask, bits.qmask
@@ -121,11 +124,39 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
         end = j + 1                     # (wave,) bytes, src, dst: a run shares ``head``
         nxt = items[end] >> sd if end < total else None
         s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
-        if nxt != head:                 # the common case: a run of one
-            k = place(s, d, n, 1)[0]
+        if nxt != head:                 # the common case: a run of one: fill.place(s, d, n, 1), inlined
+            lim = budget - n
+            st = getst(s)
+            us, ms = st if st is not None else mkst(s)
+            st = getst(d)
+            ud, md = st if st is not None else mkst(d)
+            if ms[0] != lim:
+                relim(us, ms, lim)
+            if md[0] != lim:
+                relim(ud, md, lim)
+            ls, ld = len(us), len(ud)
+            both = (ms[1] | (-1 << ls)) & (md[1] | (-1 << ld))
+            k = (both & -both).bit_length() - 1
+            bit = 1 << k
+            a = us[k] if k < ls else 0
+            b = ud[k] if k < ld else 0
+            if ls <= k:                 # new rounds start empty (room in every one), as in place
+                ms[1] |= ((bit << 1) - 1) ^ ((1 << ls) - 1)
+                us.extend([0] * (k + 1 - ls))
+            y = us[k] = a + n
+            if y > lim:
+                ms[1] &= ~bit
+                heappush(ms[2], (y, k))
+            if ld <= k:
+                md[1] |= ((bit << 1) - 1) ^ ((1 << ld) - 1)
+                ud.extend([0] * (k + 1 - ld))
+            y = ud[k] = b + n
+            if y > lim:
+                md[1] &= ~bit
+                heappush(md[2], (y, k))
             placement[(x >> si) & im][x & qm] = k
             sends[k * span + s] += n
-            pairs[s * span + d] |= 1 << k
+            pairs[s * span + d] |= bit
             j, head = end, nxt
             continue
         while nxt == head:
