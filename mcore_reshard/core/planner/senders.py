@@ -12,7 +12,16 @@ from .matching import ToLocal
 from .plan import ALIGN
 
 
-def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) -> list[tuple]:
+class Copies(list):
+    """The copy tuples :func:`choose_senders` makes, in sequence-number order (copy ``i`` has
+    sequence number ``i``); ``split``: whether some region was split to fit the budget.  Unsplit,
+    their packing order (a plain sort) is their order stably sorted by (-bytes, src, dst) alone:
+    copies of one (-bytes, src, dst) follow the sorted regions, whose order up to the sequence
+    number is (-bytes, tensor, offsets, sizes) (:func:`~.rounds._pack_rounds` groups them so)."""
+    __slots__ = ("split",)
+
+
+def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) -> Copies:
     """The copies of every remote region (see :func:`~.matching.match`), from its chosen sender.
 
     Senders among replicas: largest region first, to the least-loaded holder (ties: lowest rank),
@@ -22,7 +31,8 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
     dst local Box), split to fit the budget; Copy objects are made once, at packing, with their
     staging offset (in greedy order: the sequence number only orders copies that tie on everything
     before it, so a plain sort is the packing order)."""
-    copies: list[tuple] = []
+    copies = Copies()
+    copies.split = False
     # a source local Box depends only on the sub-box's offsets relative to its piece's box, its
     # sizes, and the piece's geometry (box sizes, local offsets and sizes): one Box per distinct
     # such key, shared (e.g. 256 stacked experts, each its own piece, cut alike: 1 Box, not 256)
@@ -52,6 +62,7 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
                 slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
             return [(neg, sr, dr, tname, offs, sizes, seq, sbuf, slbox, dbuf, dlo, dls, rbox, dlbox)]
         out = []
+        copies.split = True
         for b in split_box(rbox, limit // isz):
             so, ss = b.offsets, b.sizes
             slo, sls = to_local(spiece, so, ss)
