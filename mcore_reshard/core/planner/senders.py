@@ -81,7 +81,8 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
     append, extend, mark = copies.append, copies.extend, first_copy.append
     by_rank: dict[int, list[int]] = defaultdict(list)   # sender -> positions p it sends
     pairs: dict[int, tuple | None] = {}
-    last_key = heap = firsts = pair = None
+    last_key = heap = firsts = pair = one = None
+    sget = src_boxes.get
     for p, x in enumerate(remote):
         key = id(x[7])
         if key != last_key:             # consecutive regions often share their holders
@@ -97,39 +98,47 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
             else:
                 firsts = first_holder[key]
                 pair = pairs[key]
-        if pair is not None:            # two holder ranks: the heap's answer, without the heap
-            a, b = pair
-            best = a if load[a] <= load[b] else b
+            # one holder rank: nothing to choose, the same sender (and its piece) for the whole run
+            one = None
+            if pair is None and len(heap) == 1:
+                best = heap[0][1]
+                h = firsts[best]
+                one = (best, h, by_rank[best].append, by_id.get(id(h[2])) or info(h[2]))
+        if one is not None:
+            best, h, add_p, pi = one
             load[best] -= x[0]
-        elif len(heap) == 1:            # one holder rank: nothing to choose
-            best = heap[0][1]
-            load[best] -= x[0]
+            add_p(p)
         else:
-            top = heap[0]
-            while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
-                heapreplace(heap, (load[top[1]], top[1]))
+            if pair is not None:        # two holder ranks: the heap's answer, without the heap
+                a, b = pair
+                best = a if load[a] <= load[b] else b
+                load[best] -= x[0]
+            else:
                 top = heap[0]
-            best = top[1]
-            load[best] -= x[0]
-            heapreplace(heap, (load[best], best))
-        h = firsts[best]
+                while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+                    heapreplace(heap, (load[top[1]], top[1]))
+                    top = heap[0]
+                best = top[1]
+                load[best] -= x[0]
+                heapreplace(heap, (load[best], best))
+            h = firsts[best]
+            by_rank[best].append(p)
+            pi = None
         choose(h)
-        by_rank[best].append(p)
         n = len(copies)
         mark(n)
         # copies_of(x, h, n), inlined for the common case: one unsplit copy
-        isz = x[9]
-        limit = max_bytes.get(isz)
+        limit = max_bytes.get(x[9])
         if limit is None or -x[0] > limit:
             extend(copies_of(x, h, n))
             continue
-        spiece = h[2]
-        pi = by_id.get(id(spiece)) or info(spiece)
+        if pi is None:
+            pi = by_id.get(id(h[2])) or info(h[2])
         offs, sizes = x[2], x[3]
         skey = (tuple(map(sub, offs, pi[0])), sizes, pi[1])
-        slbox = src_boxes.get(skey)
+        slbox = sget(skey)
         if slbox is None:
-            slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
+            slbox = src_boxes[skey] = unchecked_box(*to_local(h[2], offs, sizes))
         append((x[0], best, x[4], x[1], offs, sizes, n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
     for p in _rebalance(remote, chosen, load, by_rank):
         n = first_copy[p]
