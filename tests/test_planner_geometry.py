@@ -119,3 +119,26 @@ def test_stacked_experts_at_their_own_local_offsets():
             for c in m.entries:
                 assert c.dst_local.offsets[0] == kw.get("pad", 0) + c.box.offsets[0]
                 assert c.src_buffer == (f"fc1.{c.box.offsets[0]}" if c.tensor == "gate_up" else f"fc2.{c.box.offsets[0]}")
+
+
+def test_a_buffer_holding_two_layers_is_not_templated():
+    from mcore_reshard.core.planner import Plan, TemplatedPlan
+    from mcore_reshard.core.planner.forms import _groups, _layer_of
+    src, dst = Layout(), Layout()
+    for lay in (src, dst):
+        for i in range(3):
+            lay.add_tensor(f"model.layers.{i}.w", (2, 3), "float32")
+    for i in range(3):                      # source: one buffer per layer on rank 0
+        src.add_buffer(0, Buffer(f"w{i}", (2, 3), "float32", (Piece(f"model.layers.{i}.w", Box((0, 0), (2, 3)),
+                                                                    Box((0, 0), (2, 3))),)))
+    # destination rank 1: layers 0 and 1 fused in one buffer (after a buffer of layer 2 alone)
+    dst.add_buffer(1, Buffer("a", (2, 3), "float32", (Piece("model.layers.2.w", Box((0, 0), (2, 3)), Box((0, 0), (2, 3))),)))
+    dst.add_buffer(1, Buffer("b", (4, 3), "float32", tuple(
+        Piece(f"model.layers.{i}.w", Box((0, 0), (2, 3)), Box((2 * i, 0), (2, 3))) for i in range(2))))
+    assert _groups(src, dst, _layer_of(src, dst)) is None
+    plan = make_plan(src, dst)
+    assert isinstance(plan, Plan) and not isinstance(plan, TemplatedPlan)
+    check_plan(src, dst, plan)
+    del dst.buffers[1]["b"]                 # without the fused buffer: grouped by layer
+    groups = _groups(src, dst, _layer_of(src, dst))
+    assert sorted(groups) == [0, 1, 2] and [r for r, _ in groups[2]["dst"]] == [1] and groups[0]["dst"] == []
