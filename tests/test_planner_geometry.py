@@ -17,6 +17,7 @@ from mcore_reshard.core.planner.rounds import _pack_rounds
 from mcore_reshard.core.planner.senders import choose_senders
 
 from test_planner_properties import cases, check_plan
+from test_planner_templates import layered_cases
 
 
 def stacked_experts(experts=6, rows=4, cols=3, ep=3, tp=4, offset=3, gate_up=True, pad=0):
@@ -142,3 +143,50 @@ def test_a_buffer_holding_two_layers_is_not_templated():
     del dst.buffers[1]["b"]                 # without the fused buffer: grouped by layer
     groups = _groups(src, dst, _layer_of(src, dst))
     assert sorted(groups) == [0, 1, 2] and [r for r, _ in groups[2]["dst"]] == [1] and groups[0]["dst"] == []
+
+
+def reference_placement(templates, instances, budget, waves):
+    """Every instance's messages one by one through ``RoundFill.place`` in the order of
+    ``placement._place_counted`` (tuples, not packed ints): placement, rounds, staging totals."""
+    from collections import defaultdict
+
+    from mcore_reshard.core.planner.rounds import RoundFill
+    items = []
+    for i, (tid, _, ranks) in enumerate(instances):
+        t = templates[tid]
+        for q, (s, d, n) in enumerate(t.pairs):
+            wave = (t.round_of[q] + i) % t.plan.rounds if waves else 0
+            items.append((wave, budget - n, ranks[s], ranks[d], i, q))
+    items.sort()
+    fill = RoundFill(budget)
+    placement = [[None] * len(templates[tid].pairs) for tid, _, _ in instances]
+    sends, recvs, msgs = defaultdict(int), defaultdict(int), set()
+    span = 1 + max(r for _, _, ranks in instances for r in ranks)
+    for _, lim, s, d, i, q in items:
+        n = budget - lim
+        k, cnt = fill.place(s, d, n, 1)
+        assert cnt == 1
+        placement[i][q] = k
+        sends[k * span + s] += n
+        recvs[k * span + d] += n
+        msgs.add((k, s, d))
+    return placement, fill.rounds, (dict(sends), dict(recvs), len(msgs))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(layered_cases())
+def test_templated_placement_is_roundfill_item_by_item(case):
+    """Placement (packed items, a run of one placed inline, sends of a disaggregated fill read
+    from the fill) against the plain RoundFill item by item, in both orders."""
+    from mcore_reshard.core.planner import TemplatedPlan
+    from mcore_reshard.core.planner.placement import _place_counted
+    src, dst, budget = case
+    plan = make_plan(src, dst, budget_bytes=budget, templates="always")
+    assert isinstance(plan, TemplatedPlan)
+    for waves in (False, True):
+        got = _place_counted(plan.templates, plan.instances, budget, waves=waves)
+        want = reference_placement(plan.templates, plan.instances, budget, waves)
+        assert got[0] == want[0] and got[1] == want[1]
+        assert {k: v for k, v in got[2][0].items() if v} == want[2][0]
+        assert {k: v for k, v in got[2][1].items() if v} == want[2][1]
+        assert got[2][2] == want[2][2]
