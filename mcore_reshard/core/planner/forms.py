@@ -48,14 +48,18 @@ def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict |
             prof = profiles.get(key)
             if prof is None:
                 gs = [gget(i, bad) for i in ids]
-                for k, g in enumerate(gs):
-                    if g is bad:        # a buffer not seen before: the one layer number of its pieces
-                        pcs = vals[k].pieces
-                        g = layer_of[pcs[0].tensor] if pcs else None
-                        for p in pcs:
-                            if layer_of[p.tensor] != g:
-                                return None
-                        gs[k] = group_of[ids[k]] = g
+                if bad in gs:           # buffers not seen before: the one layer number of their pieces
+                    new = [k for k, g in enumerate(gs) if g is bad]
+                    pcs = [vals[k].pieces for k in new]
+                    got = [layer_of[ps[0].tensor] if ps else None for ps in pcs]
+                    for ps, g in zip(pcs, got):
+                        if len(ps) > 1:
+                            for p in ps:
+                                if layer_of[p.tensor] != g:
+                                    return None
+                    for k, g in zip(new, got):
+                        gs[k] = g
+                    group_of.update(zip([ids[k] for k in new], got))
                 first = gs[0] if gs else None
                 if gs.count(first) == len(gs):      # one group: no split
                     mine = {first: range(len(gs))} if gs else {}

@@ -45,24 +45,35 @@ def local_mapper() -> ToLocal:
 
 
 def _source_windows(index: dict, shared_ranks: bool) -> tuple[dict, list]:
-    """(tensor -> ([(holders, holder ranks)] per source box, shape id), shape id -> bisect window).
+    """(tensor -> ([(holders, holder ranks)] per source box, shape id), shape id -> its windows).
 
-    Source boxes of every tensor as plain tuples (offsets, ends), sorted by dim-0 offset, with the
-    dim-0 starts and the longest dim-0 size for a bisect window; tensors whose source boxes are the
-    same (e.g. one per layer) share a shape id, so the geometry of a destination piece against them
-    is computed once and reused for every layer.  Holder ranks (for the local-copy check) are only
-    needed where a rank is in both layouts (``shared_ranks``)."""
+    Tensors whose source boxes are the same (e.g. one per layer) share a shape id, so the geometry
+    of a destination piece against them is computed once and reused for every layer.  A shape's
+    windows: its source boxes grouped by their *tail* (offsets and ends past dim 0; one group per
+    distinct tail, e.g. the gate and the up half of 256 stacked experts), each group
+    (tail offsets, tail ends, [(box index, dim-0 start, dim-0 end)] sorted by start, the starts,
+    the longest dim-0 size) for a bisect on dim 0 within the group; 0-d tensors: one group, empty
+    tail.  A destination piece then meets a group's tail once, and only the boxes of the groups
+    whose tail it overlaps, near it in dim 0, are looked at.  Holder ranks (for the local-copy
+    check) are only needed where a rank is in both layouts (``shared_ranks``)."""
     sources: dict[str, tuple[list, int]] = {}
     no_ranks: frozenset = frozenset()
     shape_ids: dict[tuple, int] = {}
-    windows: list[tuple[list, list[int], int]] = []
+    windows: list[list[tuple]] = []
     for name, items in index.items():
         keys = tuple((b.offsets, b.sizes) for b, _ in items)
         sid = shape_ids.get(keys)
         if sid is None:
             sid = shape_ids[keys] = len(windows)
-            windows.append(([(b.offsets, b.ends) for b, _ in items], [b.offsets[0] if b.ndim else 0 for b, _ in items],
-                            max((b.sizes[0] if b.ndim else 1) for b, _ in items)))
+            tails: dict[tuple, list] = {}
+            for k, (b, _) in enumerate(items):
+                o, e = b.offsets, b.ends
+                tails.setdefault((o[1:], e[1:]), []).append((k, o[0], e[0]) if o else (k, 0, 1))
+            groups = []
+            for (to, te), rows in tails.items():
+                rows.sort(key=lambda x: x[1])   # stable: box order within equal starts
+                groups.append((to, te, rows, [x[1] for x in rows], max(x[2] - x[1] for x in rows)))
+            windows.append(groups)
         sources[name] = ([(h, frozenset(x[0] for x in h) if shared_ranks else no_ranks) for _, h in items], sid)
     return sources, windows
 
@@ -76,27 +87,58 @@ def match(src: Layout, dst: Layout, tensors: dict, index: dict, to_local: ToLoca
     gives it without key tuples.  Raises :class:`PlanError` where no source covers a piece."""
     sources, windows = _source_windows(index, not set(src.buffers).isdisjoint(dst.buffers))
     geometry: dict[tuple, tuple[bool, list]] = {}
+    lboxes: dict[tuple, object] = {}    # (offsets, sizes) -> one shared Box (boxes are immutable)
 
     def regions_of(key: tuple, dp: Piece) -> tuple[bool, list]:
         """(whether they cover it, [(source row, offsets, sizes, elements, Box, dst local offsets,
-        dst local sizes, dst local Box)]) of destination piece ``dp`` against source boxes ``sid``;
-        ``key`` = (sid, dp's box offsets and sizes, dp's local offsets and sizes)."""
-        sid = key[0]
+        dst local sizes, dst local Box)] in source box order) of destination piece ``dp`` against
+        source boxes ``sid``; ``key`` = (sid, dp's box offsets and sizes, dp's local offsets and
+        sizes).  Per window group (:func:`_source_windows`): the tail's overlap once, then the
+        dim-0 overlap of each box near the piece; a flat piece's local offsets are the tail's
+        shifted once plus dim 0's."""
         dbox = dp.box
-        spans, first, longest = windows[sid]
         do, de = dbox.offsets, dbox.ends
-        lo_i, hi_i = (bisect_left(first, do[0] - longest + 1), bisect_left(first, de[0])) if do else (0, len(spans))
+        nd = len(do)
+        pl = dp.local
+        flat = nd and dbox.sizes == pl.sizes
+        if flat:
+            delta = tuple(map(sub, pl.offsets, do))
+            dd0 = delta[0]
+        d0, e0 = (do[0], de[0]) if nd else (0, 1)
+        tdo, tde = do[1:], de[1:]
         out, covered = [], 0
-        for k in range(lo_i, hi_i):
-            so, se = spans[k]
-            lo = tuple(map(max, so, do))
-            sizes = tuple(map(sub, map(min, se, de), lo))
-            if sizes and min(sizes) <= 0:
+        groups = windows[key[0]]
+        for to, te, rows, starts, longest in groups:
+            tlo = tuple(map(max, to, tdo))
+            tsz = tuple(map(sub, map(min, te, tde), tlo))
+            if tsz and min(tsz) <= 0:
                 continue
-            numel = prod(sizes)
-            covered += numel
-            dlo, dls = to_local(dp, lo, sizes)
-            out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, unchecked_box(dlo, dls)))
+            tn = prod(tsz)
+            if flat:
+                tdlo = tuple(map(add, tlo, delta[1:]))
+            for j in range(bisect_left(starts, d0 - longest + 1), bisect_left(starts, e0)):
+                k, s0, s1 = rows[j]
+                lo0 = s0 if s0 > d0 else d0
+                n0 = (s1 if s1 < e0 else e0) - lo0
+                if n0 <= 0:
+                    continue
+                numel = n0 * tn
+                covered += numel
+                if nd:
+                    lo, sizes = (lo0,) + tlo, (n0,) + tsz
+                else:
+                    lo = sizes = ()
+                if flat:
+                    dlo, dls = (lo0 + dd0,) + tdlo, sizes
+                else:
+                    dlo, dls = to_local(dp, lo, sizes)
+                lkey = (dlo, dls)
+                dlbox = lboxes.get(lkey)
+                if dlbox is None:
+                    dlbox = lboxes[lkey] = unchecked_box(dlo, dls)
+                out.append((k, lo, sizes, numel, unchecked_box(lo, sizes), dlo, dls, dlbox))
+        if len(groups) > 1:
+            out.sort()                  # source box order (the box index k is unique)
         got = geometry[key] = (covered == prod(dbox.sizes), out)
         return got
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from heapq import heappush
+
 from .rounds import RoundFill
 
 WAVE_SLACK = 1.1     # a first order needing more than this x the fewest rounds: the other order is tried too
@@ -40,33 +42,26 @@ def _place_counted(templates: list, instances: list, budget: int,
     top = max((r for _, _, ranks in instances for r in ranks), default=0)
     bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, budget)
     most: dict[int, int] = defaultdict(int)       # rank -> bytes it stages in all
-    items: list[int] = []
-    sn, ss, sd, si = bits.n, bits.s, bits.d, bits.i
-    for i, (tid, _, ranks) in enumerate(instances):
-        t = templates[tid]
-        base = i << si
-        items.extend([((budget - n) << sn) | (ranks[s] << ss) | (ranks[d] << sd) | base | q
-                      for q, (s, d, n) in enumerate(t.pairs)])
-        for j, v in t.staged.items():
+    for tid, _, ranks in instances:
+        for j, v in templates[tid].staged.items():
             most[ranks[j]] += v
     lengths = [len(templates[tid].pairs) for tid, _, _ in instances]
     fewest = -(-max(most.values(), default=0) // budget)
+    senders = {ranks[j] for tid, _, ranks in instances for j in templates[tid].senders}
+    receivers = {ranks[j] for tid, _, ranks in instances for j in templates[tid].receivers}
+    apart = senders.isdisjoint(receivers)
     if waves is None:       # disaggregated (no rank sends and receives): waves first, else largest first
-        senders = {ranks[j] for tid, _, ranks in instances for j in templates[tid].senders}
-        receivers = {ranks[j] for tid, _, ranks in instances for j in templates[tid].receivers}
-        order = (True, False) if senders.isdisjoint(receivers) else (False, True)
+        order = (True, False) if apart else (False, True)
     else:
         order = (waves,)
     placement, rounds, totals = None, float("inf"), None
     for w in order:
         if placement is not None and rounds <= WAVE_SLACK * fewest:
             break
-        if w:
-            seq = sorted(_with_waves(items, templates, instances, bits))
-        else:
-            items.sort()
-            seq = items
-        got = _first_fit(seq, lengths, budget, bits, top + 1)
+        seq = _items(templates, instances, budget, bits, w)
+        seq.sort()
+        # disaggregated: a sender's staging is all sends (counted from the fill, not per item)
+        got = _first_fit(seq, lengths, budget, bits, top + 1, senders if apart else None)
         del seq
         if got[1] < rounds:
             placement, rounds, totals = got
@@ -87,23 +82,43 @@ class _Bits:
         self.qmask, self.imask, self.rmask = (1 << self.i) - 1, (1 << (self.d - self.i)) - 1, (1 << rb) - 1
 
 
-def _with_waves(items: list[int], templates: list, instances: list, bits: _Bits) -> list[int]:
-    """The items with their wave, (template round + instance) mod the template's rounds, on top."""
-    si, sw, qm, im = bits.i, bits.w, bits.qmask, bits.imask
-    out = []
-    for x in items:
-        i, q = (x >> si) & im, x & qm
-        t = templates[instances[i][0]]
-        out.append((((t.round_of[q] + i) % t.plan.rounds) << sw) | x)
+def _items(templates: list, instances: list, budget: int, bits: _Bits, waves: bool) -> list[int]:
+    """Every instance's messages as packed items (:class:`_Bits`), unsorted; with ``waves``, each
+    with its wave, (template round + instance) mod the template's rounds, on top.  Per template
+    the (budget - bytes, message) bits once (with the wave: once per instance residue mod its
+    rounds), per instance its ranks' src and dst bits once."""
+    sn, ss, sd, si, sw = bits.n, bits.s, bits.d, bits.i, bits.w
+    fixed = [([((budget - n) << sn) | q for q, (_, _, n) in enumerate(t.pairs)],
+              [s for s, _, _ in t.pairs], [d for _, d, _ in t.pairs]) for t in templates]
+    waved: dict[tuple[int, int], list[int]] = {}    # (template, instance mod its rounds) -> bits with the wave
+    out: list[int] = []
+    for i, (tid, _, ranks) in enumerate(instances):
+        f, srcs, dsts = fixed[tid]
+        if not f:
+            continue
+        if waves:
+            t = templates[tid]
+            key = (tid, i % t.plan.rounds)
+            fw = waved.get(key)
+            if fw is None:
+                r0, nr = key[1], t.plan.rounds
+                fw = waved[key] = [(((k + r0) % nr) << sw) | x for k, x in zip(t.round_of, f)]
+            f = fw
+        base = i << si
+        rs = [r << ss for r in ranks]
+        rd = [r << sd | base for r in ranks]
+        out.extend([x | rs[s] | rd[d] for x, s, d in zip(f, srcs, dsts)])
     return out
 
 
-def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
-               span: int) -> tuple[list[list[int]], int, tuple]:
+def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: int,
+               only_send: set[int] | None = None) -> tuple[list[list[int]], int, tuple]:
     """Packed ``items`` (:class:`_Bits`), in order, each to the lowest round where both its ranks
     have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``: each
     instance's number of messages; ``span``: the largest rank + 1.  Returns the placement, the
-    rounds and the staging totals of :func:`_place_counted` (counted per placed run, not per item)."""
+    rounds and the staging totals of :func:`_place_counted` (counted per placed run, not per item;
+    ``only_send``: the ranks that send, where none of them receives: their sends are their
+    whole staging, read from the fill at the end)."""
     placement = [[0] * n for n in lengths]
     sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
     # src * span + dst -> bit mask of the rounds with a message between them (far smaller than
@@ -111,6 +126,8 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
     pairs: dict[int, int] = defaultdict(int)
     fill = RoundFill(budget)
     place = fill.place
+    getst, mkst, relim = fill.state.get, fill._state, fill._relim
+    count = only_send is None
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
     nmask = (1 << (bits.w - bits.n)) - 1
     rm, im, qm = bits.rmask, bits.imask, bits.qmask
@@ -121,11 +138,40 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
         end = j + 1                     # (wave,) bytes, src, dst: a run shares ``head``
         nxt = items[end] >> sd if end < total else None
         s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
-        if nxt != head:                 # the common case: a run of one
-            k = place(s, d, n, 1)[0]
+        if nxt != head:                 # the common case: a run of one: fill.place(s, d, n, 1), inlined
+            lim = budget - n
+            st = getst(s)
+            us, ms = st if st is not None else mkst(s)
+            st = getst(d)
+            ud, md = st if st is not None else mkst(d)
+            if ms[0] != lim:
+                relim(us, ms, lim)
+            if md[0] != lim:
+                relim(ud, md, lim)
+            ls, ld = len(us), len(ud)
+            both = (ms[1] | (-1 << ls)) & (md[1] | (-1 << ld))
+            k = (both & -both).bit_length() - 1
+            bit = 1 << k
+            a = us[k] if k < ls else 0
+            b = ud[k] if k < ld else 0
+            if ls <= k:                 # new rounds start empty (room in every one), as in place
+                ms[1] |= ((bit << 1) - 1) ^ ((1 << ls) - 1)
+                us.extend([0] * (k + 1 - ls))
+            y = us[k] = a + n
+            if y > lim:
+                ms[1] &= ~bit
+                heappush(ms[2], (y, k))
+            if ld <= k:
+                md[1] |= ((bit << 1) - 1) ^ ((1 << ld) - 1)
+                ud.extend([0] * (k + 1 - ld))
+            y = ud[k] = b + n
+            if y > lim:
+                md[1] &= ~bit
+                heappush(md[2], (y, k))
             placement[(x >> si) & im][x & qm] = k
-            sends[k * span + s] += n
-            pairs[s * span + d] |= 1 << k
+            if count:
+                sends[k * span + s] += n
+            pairs[s * span + d] |= bit
             j, head = end, nxt
             continue
         while nxt == head:
@@ -135,10 +181,16 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits,
             k, cnt = place(s, d, n, end - j)
             for y in items[j:j + cnt]:
                 placement[(y >> si) & im][y & qm] = k
-            sends[k * span + s] += n * cnt
+            if count:
+                sends[k * span + s] += n * cnt
             pairs[s * span + d] |= 1 << k
             j += cnt
         head = nxt
+    if not count:
+        for r in sorted(only_send):
+            for k, x in enumerate(fill.used.get(r, ())):
+                if x:
+                    sends[k * span + r] = x
     # a rank's staging per round is what it sends plus what it receives: the receives are the rest
     recvs: dict[int, int] = {}
     for r, u in fill.used.items():

@@ -123,20 +123,30 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     # the lowest round where both ranks have room until one of them is full, then the next such
     # round (lower rounds never regain room), so a run is placed round by round, as many at once
     # as fit -- the same rounds as one copy at a time
-    copies.sort()                       # in place: the caller hands the list over
-    srt = copies
-    j, total = 0, len(srt)
-    while j < total:
-        c = srt[j]
-        key0, s, d = c[0], c[1], c[2]
-        end = j + 1
-        while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
-            end += 1
-        n = (-key0 + ALIGN - 1) // ALIGN * ALIGN
+    if getattr(copies, "split", True):
+        copies.sort()                   # in place: the caller hands the list over
+        runs = _runs(copies)
+    else:                               # unsplit, in sequence order (senders.Copies): grouped, not sorted
+        groups: dict[tuple, list] = {}
+        for c in copies:
+            k3 = (c[0], c[1], c[2])
+            g = groups.get(k3)
+            if g is None:
+                groups[k3] = [c]
+            else:
+                g.append(c)
+        runs = [groups[k3] for k3 in sorted(groups)]
+        del groups
+    for run in runs:
+        c = run[0]
+        s, d = c[1], c[2]
+        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        j, end = 0, len(run)
         while j < end:
             k, cnt = fill.place(s, d, n, end - j)
-            placed[(k, s, d)].extend(srt[j:j + cnt])
+            placed[(k, s, d)].extend(run[j:j + cnt] if j or cnt < end else run)
             j += cnt
+    del runs
     if forwards is None:
         used, rounds = fill.used, fill.rounds
     if forwards:
@@ -177,9 +187,23 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
-
 #: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged, unstaged
 _FLAGS = {1: {"forward": True}, 2: {"forward": True, "unstaged": True}, 3: {"unstaged": True}}
+
+
+def _runs(srt: list[tuple]) -> list[list[tuple]]:
+    """Sorted copies cut into runs of equal (-bytes, src, dst)."""
+    out = []
+    j, total = 0, len(srt)
+    while j < total:
+        c = srt[j]
+        key0, s, d = c[0], c[1], c[2]
+        end = j + 1
+        while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
+            end += 1
+        out.append(srt[j:end])
+        j = end
+    return out
 
 
 def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int]], placed: dict) -> int:

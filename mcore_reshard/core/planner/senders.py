@@ -12,7 +12,16 @@ from .matching import ToLocal
 from .plan import ALIGN
 
 
-def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) -> list[tuple]:
+class Copies(list):
+    """The copy tuples :func:`choose_senders` makes, in sequence-number order (copy ``i`` has
+    sequence number ``i``); ``split``: whether some region was split to fit the budget.  Unsplit,
+    their packing order (a plain sort) is their order stably sorted by (-bytes, src, dst) alone:
+    copies of one (-bytes, src, dst) follow the sorted regions, whose order up to the sequence
+    number is (-bytes, tensor, offsets, sizes) (:func:`~.rounds._pack_rounds` groups them so)."""
+    __slots__ = ("split",)
+
+
+def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) -> Copies:
     """The copies of every remote region (see :func:`~.matching.match`), from its chosen sender.
 
     Senders among replicas: largest region first, to the least-loaded holder (ties: lowest rank),
@@ -22,10 +31,21 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
     dst local Box), split to fit the budget; Copy objects are made once, at packing, with their
     staging offset (in greedy order: the sequence number only orders copies that tie on everything
     before it, so a plain sort is the packing order)."""
-    copies: list[tuple] = []
-    src_boxes: dict[tuple, Box] = {}
-    piece_keys: dict[int, tuple] = {}   # id(source piece) -> what its local box of a sub-box depends on
+    copies = Copies()
+    copies.split = False
+    # a source local Box depends only on the sub-box's offsets relative to its piece's box, its
+    # sizes, and the piece's geometry (box sizes, local offsets and sizes): one Box per distinct
+    # such key, shared (e.g. 256 stacked experts, each its own piece, cut alike: 1 Box, not 256)
+    geo_ids: dict[tuple, int] = {}      # (box sizes, local offsets, local sizes) -> geometry id
+    by_id: dict[int, tuple] = {}        # id(source piece) -> (its box offsets, geometry id)
+    src_boxes: dict[tuple, Box] = {}    # (relative offsets, sizes, geometry id) -> source local Box
     max_bytes: dict[int, int] = {}      # itemsize -> largest copy that fits the budget unsplit
+
+    def info(spiece: Piece) -> tuple:
+        pb, pl = spiece.box, spiece.local
+        g = geo_ids.setdefault((pb.sizes, pl.offsets, pl.sizes), len(geo_ids))
+        got = by_id[id(spiece)] = (pb.offsets, g)
+        return got
 
     def copies_of(x: tuple, h: tuple, seq: int) -> list[tuple]:
         """The copies of region ``x`` sent by holder ``h``, numbered from ``seq`` (split to fit the budget)."""
@@ -35,17 +55,14 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
         if limit is None:
             limit = max_bytes[isz] = max(1, (budget_bytes - ALIGN) // isz) * isz
         if -neg <= limit:
-            pk = piece_keys.get(id(spiece))
-            if pk is None:
-                pb, pl = spiece.box, spiece.local
-                pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
-                                               else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
-            skey = (id(rbox), pk)       # rbox is shared (and alive) per geometry: same id, same box
+            pi = by_id.get(id(spiece)) or info(spiece)
+            skey = (tuple(map(sub, offs, pi[0])), sizes, pi[1])
             slbox = src_boxes.get(skey)
             if slbox is None:
                 slbox = src_boxes[skey] = unchecked_box(*to_local(spiece, offs, sizes))
             return [(neg, sr, dr, tname, offs, sizes, seq, sbuf, slbox, dbuf, dlo, dls, rbox, dlbox)]
         out = []
+        copies.split = True
         for b in split_box(rbox, limit // isz):
             so, ss = b.offsets, b.sizes
             slo, sls = to_local(spiece, so, ss)
@@ -64,7 +81,8 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
     append, extend, mark = copies.append, copies.extend, first_copy.append
     by_rank: dict[int, list[int]] = defaultdict(list)   # sender -> positions p it sends
     pairs: dict[int, tuple | None] = {}
-    last_key = heap = firsts = pair = None
+    last_key = heap = firsts = pair = one = None
+    sget = src_boxes.get
     for p, x in enumerate(remote):
         key = id(x[7])
         if key != last_key:             # consecutive regions often share their holders
@@ -80,43 +98,48 @@ def choose_senders(remote: list[tuple], budget_bytes: int, to_local: ToLocal) ->
             else:
                 firsts = first_holder[key]
                 pair = pairs[key]
-        if pair is not None:            # two holder ranks: the heap's answer, without the heap
-            a, b = pair
-            best = a if load[a] <= load[b] else b
+            # one holder rank: nothing to choose, the same sender (and its piece) for the whole run
+            one = None
+            if pair is None and len(heap) == 1:
+                best = heap[0][1]
+                h = firsts[best]
+                one = (best, h, by_rank[best].append, by_id.get(id(h[2])) or info(h[2]))
+        if one is not None:
+            best, h, add_p, pi = one
             load[best] -= x[0]
-        elif len(heap) == 1:            # one holder rank: nothing to choose
-            best = heap[0][1]
-            load[best] -= x[0]
+            add_p(p)
         else:
-            top = heap[0]
-            while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
-                heapreplace(heap, (load[top[1]], top[1]))
+            if pair is not None:        # two holder ranks: the heap's answer, without the heap
+                a, b = pair
+                best = a if load[a] <= load[b] else b
+                load[best] -= x[0]
+            else:
                 top = heap[0]
-            best = top[1]
-            load[best] -= x[0]
-            heapreplace(heap, (load[best], best))
-        h = firsts[best]
+                while top[0] != load[top[1]]:   # loads only grow: a stale top is refreshed and re-sorted
+                    heapreplace(heap, (load[top[1]], top[1]))
+                    top = heap[0]
+                best = top[1]
+                load[best] -= x[0]
+                heapreplace(heap, (load[best], best))
+            h = firsts[best]
+            by_rank[best].append(p)
+            pi = None
         choose(h)
-        by_rank[best].append(p)
         n = len(copies)
         mark(n)
         # copies_of(x, h, n), inlined for the common case: one unsplit copy
-        isz = x[9]
-        limit = max_bytes.get(isz)
-        spiece = h[2]
-        pk = piece_keys.get(id(spiece))
-        if pk is None:
-            pb, pl = spiece.box, spiece.local
-            pk = piece_keys[id(spiece)] = ((tuple(map(sub, pl.offsets, pb.offsets)),) if pb.sizes == pl.sizes
-                                           else (pb.offsets, pb.sizes, pl.offsets, pl.sizes))
+        limit = max_bytes.get(x[9])
         if limit is None or -x[0] > limit:
             extend(copies_of(x, h, n))
             continue
-        slbox = src_boxes.get((id(x[10]), pk))
+        if pi is None:
+            pi = by_id.get(id(h[2])) or info(h[2])
+        offs, sizes = x[2], x[3]
+        skey = (tuple(map(sub, offs, pi[0])), sizes, pi[1])
+        slbox = sget(skey)
         if slbox is None:
-            extend(copies_of(x, h, n))
-            continue
-        append((x[0], best, x[4], x[1], x[2], x[3], n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
+            slbox = src_boxes[skey] = unchecked_box(*to_local(h[2], offs, sizes))
+        append((x[0], best, x[4], x[1], offs, sizes, n, h[1], slbox, x[5], x[11], x[12], x[10], x[13]))
     for p in _rebalance(remote, chosen, load, by_rank):
         n = first_copy[p]
         new = copies_of(remote[p], chosen[p], n)
