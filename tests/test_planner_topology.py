@@ -342,6 +342,11 @@ def test_unstaged_non_contiguous_is_refused():
     x = big.messages[j]
     big.messages[j] = Message(x.round, x.src, x.dst, x.nbytes, x.entries, True, False)
     assert any("over the plan's budget of 1024 B" in p and "round 1" in p for p in validate_plan(big)), validate_plan(big)
+    # no budget bounds an unstaged message, so its byte count must be exactly its entries' layout
+    big.messages[j] = Message(x.round, x.src, x.dst, 1 << 40, x.entries, x.forward, True)
+    assert any(f"claims {1 << 40} B, its entries end at byte 1024" in p for p in validate_plan(big)), validate_plan(big)
+    big.messages[j] = x
+    assert not any("claims" in p for p in validate_plan(big))
 
 
 def test_unstaged_views_checked_at_bind():

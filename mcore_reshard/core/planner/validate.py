@@ -136,6 +136,9 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
             if fwd and (rank is None or c.src == rank):
                 forwarded.append((c, m.round, where))
         spans.sort()
+        if direct and spans and m.nbytes != (spans[-1][1] + ALIGN - 1) // ALIGN * ALIGN:
+            # nothing staged, so no budget bounds it: its byte count is exactly its entries' layout
+            bad(f"{where}: claims {m.nbytes} B, its entries end at byte {spans[-1][1]}")
         for (a0, a1, ta), (b0, b1, tb) in zip(spans, spans[1:]):
             if b0 < a1:
                 bad(f"{where}: entries {ta} and {tb} overlap in the staging buffer (bytes {b0}..{a1})")
