@@ -214,9 +214,9 @@ def predict(plan, topo: Topology) -> dict:
     rounds: dict[int, Traffic] = defaultdict(Traffic)
     total = Traffic()
     for m in plan.messages:
-        n = _payload(m)
-        rounds[m.round].add(topo, m.src, m.dst, n, staged=not getattr(m, "unstaged", False))
-        total.add(topo, m.src, m.dst, n, staged=not getattr(m, "unstaged", False))
+        n, staged = _payload(m), not getattr(m, "unstaged", False)
+        rounds[m.round].add(topo, m.src, m.dst, n, staged=staged)
+        total.add(topo, m.src, m.dst, n, staged=staged)
     local_s = _local_time(plan, topo)
     per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
     return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo), "local_s": local_s,

@@ -132,9 +132,15 @@ def parts(m, buf: torch.Tensor, pairs: list, verify: bool) -> list:
     return out
 
 
-def _unstaged(m, buf: torch.Tensor, views: list, verify: bool) -> tuple:
-    pairs, ps = unstaged_parts(m, buf, views, verify)
-    return pairs, m, ps
+def _entry(plan: Plan, peer: int, m, buf: torch.Tensor, views: list, verify: bool) -> tuple:
+    """A send or receive of :class:`Round`: ``(peer, staging slice, pairs, message, parts)`` of
+    message ``m`` whose entries are ``views`` of this rank's tensors."""
+    if m.unstaged:
+        pairs, ps = unstaged_parts(m, buf, views, verify)
+    else:
+        pairs = [(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
+        ps = parts(m, buf, pairs, verify)
+    return peer, buf, pairs, m, ps
 
 
 def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
@@ -177,21 +183,13 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
             # in an earlier round (validate_plan checks it; rounds run in order)
             have = dst if m.forward else src
             views = [have[c.src_buffer][c.src_local.slices()] for c in m.entries]
-            if m.unstaged:
-                rnd.sends.append((m.dst, buf, *_unstaged(m, buf, views, verify)))
-            else:
-                pairs = [(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
-                rnd.sends.append((m.dst, buf, pairs, m, parts(m, buf, pairs, verify)))
+            rnd.sends.append(_entry(plan, m.dst, m, buf, views, verify))
             base += n
         for m in recvs:             # right after this round's sends, in the same buffer
             n = staged_bytes(m, verify)
             buf = buffer[base:base + n]
             views = [dst[c.dst_buffer][c.dst_local.slices()] for c in m.entries]
-            if m.unstaged:
-                rnd.recvs.append((m.src, buf, *_unstaged(m, buf, views, verify)))
-            else:
-                pairs = [(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
-                rnd.recvs.append((m.src, buf, pairs, m, parts(m, buf, pairs, verify)))
+            rnd.recvs.append(_entry(plan, m.src, m, buf, views, verify))
             base += n
             for c in m.entries:
                 touch(c.dst_buffer, len(rounds))

@@ -115,40 +115,8 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     if forwards is not None:            # two-level plans: busiest ranks first, round by round
         from .topology import pack_busiest_first
         placed, used, rounds = pack_busiest_first(copies, budget)
-        copies = []
     else:
-        placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
-    fill = RoundFill(budget)
-    # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
-    # the lowest round where both ranks have room until one of them is full, then the next such
-    # round (lower rounds never regain room), so a run is placed round by round, as many at once
-    # as fit -- the same rounds as one copy at a time
-    if getattr(copies, "split", True):
-        copies.sort()                   # in place: the caller hands the list over
-        runs = _runs(copies)
-    else:                               # unsplit, in sequence order (senders.Copies): grouped, not sorted
-        groups: dict[tuple, list] = {}
-        for c in copies:
-            k3 = (c[0], c[1], c[2])
-            g = groups.get(k3)
-            if g is None:
-                groups[k3] = [c]
-            else:
-                g.append(c)
-        runs = [groups[k3] for k3 in sorted(groups)]
-        del groups
-    for run in runs:
-        c = run[0]
-        s, d = c[1], c[2]
-        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
-        j, end = 0, len(run)
-        while j < end:
-            k, cnt = fill.place(s, d, n, end - j)
-            placed[(k, s, d)].extend(run[j:j + cnt] if j or cnt < end else run)
-            j += cnt
-    del runs
-    if forwards is None:
-        used, rounds = fill.used, fill.rounds
+        placed, used, rounds = _first_fit_runs(copies, budget)
     if forwards:
         rounds = max(rounds, _place_forwards(forwards, budget, used, placed))
     if unstaged:
@@ -185,6 +153,41 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
             stage_send[(k, s)] += off
             stage_recv[(k, d)] += off
     return messages, rounds, (sent, recv, stage_send, stage_recv)
+
+
+def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]], int]:
+    """:func:`_pack_rounds`' first fit of flat plans: (placed: (round, src, dst) -> copies, per-rank
+    staged bytes per round, rounds)."""
+    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
+    fill = RoundFill(budget)
+    # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
+    # the lowest round where both ranks have room until one of them is full, then the next such
+    # round (lower rounds never regain room), so a run is placed round by round, as many at once
+    # as fit -- the same rounds as one copy at a time
+    if getattr(copies, "split", True):
+        copies.sort()                   # in place: the caller hands the list over
+        runs = _runs(copies)
+    else:                               # unsplit, in sequence order (senders.Copies): grouped, not sorted
+        groups: dict[tuple, list] = {}
+        for c in copies:
+            k3 = (c[0], c[1], c[2])
+            g = groups.get(k3)
+            if g is None:
+                groups[k3] = [c]
+            else:
+                g.append(c)
+        runs = [groups[k3] for k3 in sorted(groups)]
+        del groups
+    for run in runs:
+        c = run[0]
+        s, d = c[1], c[2]
+        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        j, end = 0, len(run)
+        while j < end:
+            k, cnt = fill.place(s, d, n, end - j)
+            placed[(k, s, d)].extend(run[j:j + cnt] if j or cnt < end else run)
+            j += cnt
+    return placed, fill.used, fill.rounds
 
 
 #: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged, unstaged
