@@ -4,9 +4,8 @@ global rounds under the per-rank budget, items packed into one int each.  ``temp
 ``plan.rounds``)."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
-
-from heapq import heappush
 
 from .rounds import RoundFill
 
@@ -125,67 +124,68 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, s
     # a set of (round, src, dst): one int per pair, not per message)
     pairs: dict[int, int] = defaultdict(int)
     fill = RoundFill(budget)
-    place = fill.place
-    getst, mkst, relim = fill.state.get, fill._state, fill._relim
+    getst, mkst, mklevel = fill.state.get, fill._state, fill._level
     count = only_send is None
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
     nmask = (1 << (bits.w - bits.n)) - 1
     rm, im, qm = bits.rmask, bits.imask, bits.qmask
     j, total = 0, len(items)
-    head = items[0] >> sd if items else 0
     while j < total:
         x = items[j]
-        end = j + 1                     # (wave,) bytes, src, dst: a run shares ``head``
-        nxt = items[end] >> sd if end < total else None
-        s, d, n = (x >> ss) & rm, (x >> sd) & rm, budget - ((x >> sn) & nmask)
-        if nxt != head:                 # the common case: a run of one: fill.place(s, d, n, 1), inlined
-            lim = budget - n
-            st = getst(s)
-            us, ms = st if st is not None else mkst(s)
-            st = getst(d)
-            ud, md = st if st is not None else mkst(d)
-            if ms[0] != lim:
-                relim(us, ms, lim)
-            if md[0] != lim:
-                relim(ud, md, lim)
-            ls, ld = len(us), len(ud)
-            both = (ms[1] | (-1 << ls)) & (md[1] | (-1 << ld))
-            k = (both & -both).bit_length() - 1
-            bit = 1 << k
-            a = us[k] if k < ls else 0
-            b = ud[k] if k < ld else 0
-            if ls <= k:                 # new rounds start empty (room in every one), as in place
-                ms[1] |= ((bit << 1) - 1) ^ ((1 << ls) - 1)
-                us.extend([0] * (k + 1 - ls))
-            y = us[k] = a + n
-            if y > lim:
-                ms[1] &= ~bit
-                heappush(ms[2], (y, k))
-            if ld <= k:
-                md[1] |= ((bit << 1) - 1) ^ ((1 << ld) - 1)
-                ud.extend([0] * (k + 1 - ld))
-            y = ud[k] = b + n
-            if y > lim:
-                md[1] &= ~bit
-                heappush(md[2], (y, k))
-            placement[(x >> si) & im][x & qm] = k
-            if count:
-                sends[k * span + s] += n
-            pairs[s * span + d] |= bit
-            j, head = end, nxt
-            continue
-        while nxt == head:
+        head = x >> sd                  # (wave,) budget - bytes, src, dst: a run shares it
+        end = j + 1
+        while end < total and items[end] >> sd == head:
             end += 1
-            nxt = items[end] >> sd if end < total else None
-        while j < end:
-            k, cnt = place(s, d, n, end - j)
-            for y in items[j:j + cnt]:
+        # fill.place(s, d, n, end - j), inlined, until the run is placed
+        s, d, lim = (x >> ss) & rm, head & rm, (x >> sn) & nmask
+        n = budget - lim
+        st = getst(s) or mkst(s)
+        us, index, keys, masks = st
+        i = index.get(lim)
+        if i is None:
+            i = mklevel(st, lim)
+        st = getst(d) or mkst(d)
+        ud, index, keys2, masks2 = st
+        i2 = index.get(lim)
+        if i2 is None:
+            i2 = mklevel(st, lim)
+        while True:
+            y = masks[i] | masks2[i2]
+            bit = ~y & (y + 1)
+            k = bit.bit_length() - 1
+            if k < len(us):
+                a = us[k]
+            else:                       # new rounds start empty
+                a = 0
+                us.extend([0] * (k + 1 - len(us)))
+            if k < len(ud):
+                b = ud[k]
+            else:
+                b = 0
+                ud.extend([0] * (k + 1 - len(ud)))
+            if end - j == 1:
+                cnt, add = 1, n
+                y = items[j]
                 placement[(y >> si) & im][y & qm] = k
+            else:
+                cnt = (budget - (a if a > b else b)) // n
+                if cnt > end - j:
+                    cnt = end - j
+                add = cnt * n
+                for y in items[j:j + cnt]:
+                    placement[(y >> si) & im][y & qm] = k
+            y = us[k] = a + add         # round k leaves the masks of the lims in [a, y)
+            for m in range(bisect_left(keys, a, 0, i + 1), bisect_left(keys, y)):
+                masks[m] |= bit
+            y = ud[k] = b + add
+            for m in range(bisect_left(keys2, b, 0, i2 + 1), bisect_left(keys2, y)):
+                masks2[m] |= bit
             if count:
-                sends[k * span + s] += n * cnt
-            pairs[s * span + d] |= 1 << k
+                sends[k * span + s] += add
+            pairs[s * span + d] |= bit
             j += cnt
-        head = nxt
+            if j == end:
+                break
     if not count:
         for r in sorted(only_send):
             for k, x in enumerate(fill.used.get(r, ())):

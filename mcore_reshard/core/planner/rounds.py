@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from heapq import heapify, heappop, heappush
+from bisect import bisect_left
 from operator import itemgetter
 
 from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
@@ -11,45 +11,44 @@ class RoundFill:
     """First fit under a per-rank budget: each rank's staged bytes per round, and items placed in the
     lowest round where both their ranks have room (:meth:`place`).
 
-    Per rank: staged bytes per round (rounds past the end: 0), and a bit mask of the rounds
-    k < len(used) with used[k] <= lim for the lim it was last computed for; the lowest round with
-    room for both ranks is the lowest bit of the two masks' AND, each extended with ones past its
-    end.  The rounds a mask leaves out wait in a heap by usage: an item only goes to a round in
-    the mask, so a left-out round's usage does not change while it waits, and when lim grows the
-    rounds it reaches come off the heap into the mask (a round that fills up goes the other way).
-    Only a falling lim (an item larger than the one before) recomputes mask and heap: items
-    largest first never do."""
+    Per rank: staged bytes per round (rounds past the end: 0), and for every ``lim`` (budget - an
+    item's aligned bytes) it has been asked about, a bit mask of the rounds k with used[k] > lim
+    (rounds past the end: no bit); the lowest round with room for both ranks is the lowest bit
+    clear in the two masks' OR.  Usage only grows, so a round's bit, once set, stays set: when a
+    round of the rank goes from ``a`` to ``y`` staged bytes, exactly the masks of the lims in
+    [a, y) gain its bit (two bisections in the rank's lims, kept sorted: in all, each round's bit
+    set at most once per lim).  A mask is computed from scratch only the first time the rank
+    meets its lim (:meth:`_level`); the lim changing back and forth (largest first within each
+    wave of the templated placement, sizes jumping back up at every wave) costs nothing."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.used: dict[int, list[int]] = {}     # rank -> staged bytes per round
-        # rank -> (its used list, [lim, mask, heap of (usage, round) left out]): one lookup per rank
-        self.state: dict[int, tuple[list[int], list]] = {}
+        # rank -> (its used list, {lim: index}, its lims sorted, their masks): one lookup per rank
+        self.state: dict[int, tuple[list[int], dict[int, int], list[int], list[int]]] = {}
 
     @property
     def rounds(self) -> int:
         """Rounds used so far (a rank's list grows to k + 1 exactly when something lands in round k)."""
         return max(map(len, self.used.values()), default=0)
 
-    def _state(self, r: int) -> tuple[list[int], list]:
+    def _state(self, r: int) -> tuple[list[int], dict[int, int], list[int], list[int]]:
         st = self.state.get(r)
         if st is None:
-            u = self.used[r] = []
-            st = self.state[r] = (u, [None, 0, []])
+            st = self.state[r] = (self.used.setdefault(r, []), {}, [], [])
         return st
 
     @staticmethod
-    def _relim(u: list[int], m: list, lim: int) -> None:
-        """Mask and heap of one rank for a new ``lim``."""
-        if m[0] is None or lim < m[0]:
-            m[1] = int("".join(["1" if x <= lim else "0" for x in reversed(u)]) or "0", 2)
-            m[2] = [(x, k) for k, x in enumerate(u) if x > lim]
-            heapify(m[2])
-        else:
-            h = m[2]
-            while h and h[0][0] <= lim:
-                m[1] |= 1 << heappop(h)[1]
-        m[0] = lim
+    def _level(st: tuple, lim: int) -> int:
+        """The index in one rank's sorted lims (``st``: its state) of a ``lim`` it has not met yet,
+        its mask computed and kept (the lims above it move up one)."""
+        u, index, keys, masks = st
+        i = bisect_left(keys, lim)
+        keys.insert(i, lim)
+        masks.insert(i, int("".join(["1" if x > lim else "0" for x in reversed(u)]) or "0", 2))
+        for j in range(i, len(keys)):
+            index[keys[j]] = j
+        return i
 
     def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
         """Up to ``count`` items of ``n`` (aligned) bytes from rank ``s`` to rank ``d``, each to the
@@ -57,38 +56,30 @@ class RoundFill:
         rounds never regain room, so one at a time would land the same).  Returns (round, placed)."""
         budget = self.budget
         lim = budget - n
-        state = self.state
-        st = state.get(s)
-        us, ms = st if st is not None else self._state(s)
-        st = state.get(d)
-        ud, md = st if st is not None else self._state(d)
-        if ms[0] != lim:
-            self._relim(us, ms, lim)
-        if md[0] != lim:
-            self._relim(ud, md, lim)
-        ls, ld = len(us), len(ud)
-        both = (ms[1] | (-1 << ls)) & (md[1] | (-1 << ld))
-        k = (both & -both).bit_length() - 1
-        a = us[k] if k < ls else 0
-        b = ud[k] if k < ld else 0
-        cnt = (budget - (a if a > b else b)) // n
-        if cnt > count:
-            cnt = count
-        add_n = cnt * n
-        if ls <= k:                     # new rounds start empty: room in every one of them
-            ms[1] |= ((1 << (k + 1)) - 1) ^ ((1 << ls) - 1)
-            us.extend([0] * (k + 1 - ls))
-        x = us[k] = a + add_n
-        if x > lim:
-            ms[1] &= ~(1 << k)
-            heappush(ms[2], (x, k))
-        if ld <= k:
-            md[1] |= ((1 << (k + 1)) - 1) ^ ((1 << ld) - 1)
-            ud.extend([0] * (k + 1 - ld))
-        x = ud[k] = b + add_n
-        if x > lim:
-            md[1] &= ~(1 << k)
-            heappush(md[2], (x, k))
+        ss = self.state.get(s) or self._state(s)
+        sd = self.state.get(d) or self._state(d)
+        i = ss[1].get(lim)
+        if i is None:
+            i = self._level(ss, lim)
+        j = sd[1].get(lim)
+        if j is None:
+            j = self._level(sd, lim)
+        full = ss[3][i] | sd[3][j]
+        bit = ~full & (full + 1)
+        k = bit.bit_length() - 1
+        cnt = 0
+        for st in (ss, sd):
+            u = st[0]
+            if len(u) <= k:             # new rounds start empty
+                u.extend([0] * (k + 1 - len(u)))
+            if st is ss:
+                a, b = u[k], sd[0][k] if k < len(sd[0]) else 0
+                cnt = min(count, (budget - max(a, b)) // n)
+            a = u[k]
+            y = u[k] = a + cnt * n
+            keys, masks = st[2], st[3]
+            for m in range(bisect_left(keys, a), bisect_left(keys, y)):
+                masks[m] |= bit         # the lims in [a, y): round k leaves them
         return k, cnt
 
 
