@@ -63,3 +63,103 @@ def test_roundfill_in_waves_of_falling_sizes(calls, waves):
     # at every wave boundary (the case the in-mask heap handles)
     order = sorted(calls, key=lambda c: (calls.index(c) % waves, -c[2]))
     assert run_fill(128, order)[0] == plain_first_fit(128, order)
+
+
+def check_masks(fill: RoundFill) -> None:
+    """Every mask a rank keeps, against its usage: the rounds over the level's lim, exactly."""
+    for r, (u, masks, keys, ids) in fill.state.items():
+        assert u is fill.used[r] and keys == sorted(keys) and len(set(keys)) == len(keys)
+        assert [fill.lims[lv] for lv in ids] == keys
+        assert sorted(ids) == [lv for lv, m in enumerate(masks) if m is not None]
+        for lv in ids:
+            assert masks[lv] == sum(1 << k for k, x in enumerate(u) if x > fill.lims[lv]), (r, lv, u)
+
+
+def test_masks_follow_rising_and_falling_lims_by_hand():
+    # budget 100, ranks 0 and 1 only: sizes 10, 30, 10, 60, 10 (lims 90, 70, 90, 40, 90: falling,
+    # rising, falling...): every call's round and every mask after it by hand
+    fill = RoundFill(100)
+    got = []
+    for n in (10, 30, 10, 60, 10):
+        got.append(fill.place(0, 1, n, 1))
+        check_masks(fill)
+    assert got == [(0, 1), (0, 1), (0, 1), (1, 1), (0, 1)]
+    assert fill.used[0] == [60, 60] and fill.lims == [90, 70, 40]
+    u, masks, keys, ids = fill.state[0]
+    assert keys == [40, 70, 90] and ids == [2, 1, 0]
+    assert masks == [0, 0, 0b11]         # only lim 40 has rounds over it (60 > 40 in both)
+    # a new lim (60: level 3, its mask from the usage): 60 + 40 = 100, round 0 full, one of three placed
+    assert fill.place(0, 1, 40, 3) == (0, 1) and fill.used[0] == [100, 60]
+    check_masks(fill)
+    assert fill.state[0][1] == [0b1, 0b1, 0b11, 0b1] and fill.state[0][2] == [40, 60, 70, 90]
+
+
+def test_levels_registered_ahead_are_kept_exact():
+    # a level registered on a rank before anything lands, and one registered after (mask computed
+    # from the usage): both kept exact, the same rounds as registering on first use
+    a, b = RoundFill(64), RoundFill(64)
+    for lim in (60, 48, 32):            # sizes 4, 16, 32
+        a.level(lim)
+    a.register(0, [0, 1, 2])
+    calls = [(0, 1, 32, 1), (0, 1, 16, 1), (0, 2, 4, 3), (0, 1, 32, 1), (1, 0, 16, 2)]
+    got = []
+    for j, c in enumerate(calls):
+        got.append(a.place(*c))
+        if j == 2:
+            a.register(2, [1, 0])
+        check_masks(a)
+    assert got == [b.place(*c) for c in calls] == plain_first_fit(64, calls)
+    assert a.used == b.used
+
+
+sizes_st = st.sampled_from([4, 8, 12, 16, 24, 32, 40, 64])
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), sizes_st, st.integers(1, 5))
+                      .filter(lambda c: c[0] != c[1]), min_size=1, max_size=150),
+       order=st.sampled_from(["given", "rising", "falling", "waves"]),
+       ahead=st.lists(st.tuples(st.integers(0, 4), sizes_st), max_size=10))
+def test_masks_exact_after_every_call_in_every_order(calls, order, ahead):
+    # few sizes, so that levels come back: sizes rising (lims falling), falling (lims rising), in
+    # waves of falling sizes (lims jump back down at each wave), or as drawn; some levels
+    # registered ahead on some ranks; every mask checked after every call, the rounds against
+    # the plain first fit
+    if order == "rising":
+        calls = sorted(calls, key=lambda c: c[2])
+    elif order == "falling":
+        calls = sorted(calls, key=lambda c: -c[2])
+    elif order == "waves":
+        calls = sorted(calls, key=lambda c: (calls.index(c) % 3, -c[2]))
+    fill = RoundFill(64)
+    for r, n in ahead:
+        fill.register(r, [fill.level(64 - n)])
+    got = []
+    for c in calls:
+        got.append(fill.place(*c))
+        check_masks(fill)
+    assert got == plain_first_fit(64, calls)
+    assert all(x <= 64 for u in fill.used.values() for x in u)
+
+
+def test_templated_first_fit_registers_every_level_ahead_or_fails_loudly():
+    # the templated placement's fill registers each rank's levels ahead and reads masks without a
+    # check: a level missing on a rank is an error (its mask None or none), never a wrong round
+    from types import SimpleNamespace as NS
+
+    import pytest
+
+    from mcore_reshard.core.planner import placement as P
+    t = NS(pairs=[(0, 1, 16), (1, 0, 32)], round_of=[0, 0], staged={0: 48, 1: 48}, senders={0, 1},
+           receivers={0, 1}, plan=NS(rounds=1))
+    insts = [(0, None, [3, 5])]
+    lims, levels = P._levels([t], insts, 64)
+    assert lims == [32, 48] and levels == {3: {0, 1}, 5: {0, 1}}
+    bits = P._Bits(2, 1, 5, len(lims))
+    items = sorted(P._items([t], insts, 64, bits, False, lims))
+    placement, rounds, (sends, recvs, messages) = P._first_fit(items, [2], 64, bits, 6, lims, levels)
+    assert placement == [[0, 0]] and rounds == 1 and messages == 2
+    assert dict(sends) == {3: 16, 5: 32} and recvs == {3: 32, 5: 16}
+    for broken in ({3: {0, 1}}, {3: {0, 1}, 5: {0}}):
+        with pytest.raises((TypeError, IndexError)):
+            P._first_fit(list(items), [2], 64, bits, 6, lims, broken)

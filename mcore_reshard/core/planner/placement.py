@@ -39,7 +39,8 @@ def _place_counted(templates: list, instances: list, budget: int,
     # an item is one int, (budget - bytes, src, dst, instance, message) packed most significant
     # first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
     top = max((r for _, _, ranks in instances for r in ranks), default=0)
-    bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, budget)
+    lims, levels = _levels(templates, instances, budget)
+    bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, len(lims))
     most: dict[int, int] = defaultdict(int)       # rank -> bytes it stages in all
     for tid, _, ranks in instances:
         for j, v in templates[tid].staged.items():
@@ -57,10 +58,10 @@ def _place_counted(templates: list, instances: list, budget: int,
     for w in order:
         if placement is not None and rounds <= WAVE_SLACK * fewest:
             break
-        seq = _items(templates, instances, budget, bits, w)
+        seq = _items(templates, instances, budget, bits, w, lims)
         seq.sort()
         # disaggregated: a sender's staging is all sends (counted from the fill, not per item)
-        got = _first_fit(seq, lengths, budget, bits, top + 1, senders if apart else None)
+        got = _first_fit(seq, lengths, budget, bits, top + 1, lims, levels, senders if apart else None)
         del seq
         if got[1] < rounds:
             placement, rounds, totals = got
@@ -68,26 +69,48 @@ def _place_counted(templates: list, instances: list, budget: int,
 
 
 class _Bits:
-    """Bit offsets of the fields of a packed placement item (message, instance, dst, src, budget -
-    bytes, wave: least significant first)."""
+    """Bit offsets of the fields of a packed placement item (message, instance, dst, src, level of
+    budget - bytes (:func:`_levels`), wave: least significant first)."""
 
-    def __init__(self, messages: int, instances: int, top_rank: int, budget: int):
+    def __init__(self, messages: int, instances: int, top_rank: int, levels: int):
         self.i = max(1, messages.bit_length())
         rb = max(1, top_rank.bit_length())
         self.d = self.i + max(1, instances.bit_length())
         self.s = self.d + rb
         self.n = self.s + rb
-        self.w = self.n + budget.bit_length() + 1
+        self.w = self.n + max(1, levels.bit_length())
         self.qmask, self.imask, self.rmask = (1 << self.i) - 1, (1 << (self.d - self.i)) - 1, (1 << rb) - 1
+        self.lmask = (1 << (self.w - self.n)) - 1
 
 
-def _items(templates: list, instances: list, budget: int, bits: _Bits, waves: bool) -> list[int]:
+def _levels(templates: list, instances: list, budget: int) -> tuple[list[int], dict[int, set[int]]]:
+    """The lims (budget - bytes) of every message, ascending (a message's level: its lim's index
+    there, packed in its item in place of the lim: the same order), and per rank the levels of
+    the messages it sends or receives (registered on it ahead: :meth:`.RoundFill.register`)."""
+    lims = sorted({budget - n for t in templates for _, _, n in t.pairs})
+    level = {lim: lv for lv, lim in enumerate(lims)}
+    per_template = []
+    for t in templates:
+        got: dict[int, set[int]] = defaultdict(set)
+        for s, d, n in t.pairs:
+            got[s].add(level[budget - n])
+            got[d].add(level[budget - n])
+        per_template.append(got)
+    out: dict[int, set[int]] = defaultdict(set)
+    for tid, _, ranks in instances:
+        for j, lvs in per_template[tid].items():
+            out[ranks[j]] |= lvs
+    return lims, out
+
+
+def _items(templates: list, instances: list, budget: int, bits: _Bits, waves: bool, lims: list[int]) -> list[int]:
     """Every instance's messages as packed items (:class:`_Bits`), unsorted; with ``waves``, each
     with its wave, (template round + instance) mod the template's rounds, on top.  Per template
-    the (budget - bytes, message) bits once (with the wave: once per instance residue mod its
+    the (level, message) bits once (with the wave: once per instance residue mod its
     rounds), per instance its ranks' src and dst bits once."""
     sn, ss, sd, si, sw = bits.n, bits.s, bits.d, bits.i, bits.w
-    fixed = [([((budget - n) << sn) | q for q, (_, _, n) in enumerate(t.pairs)],
+    level = {lim: lv for lv, lim in enumerate(lims)}
+    fixed = [([(level[budget - n] << sn) | q for q, (_, _, n) in enumerate(t.pairs)],
               [s for s, _, _ in t.pairs], [d for _, d, _ in t.pairs]) for t in templates]
     waved: dict[tuple[int, int], list[int]] = {}    # (template, instance mod its rounds) -> bits with the wave
     out: list[int] = []
@@ -110,82 +133,94 @@ def _items(templates: list, instances: list, budget: int, bits: _Bits, waves: bo
     return out
 
 
-def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: int,
-               only_send: set[int] | None = None) -> tuple[list[list[int]], int, tuple]:
+def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: int, lims: list[int],
+               levels: dict[int, set[int]], only_send: set[int] | None = None) -> tuple[list[list[int]], int, tuple]:
     """Packed ``items`` (:class:`_Bits`), in order, each to the lowest round where both its ranks
     have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``: each
-    instance's number of messages; ``span``: the largest rank + 1.  Returns the placement, the
-    rounds and the staging totals of :func:`_place_counted` (counted per placed run, not per item;
-    ``only_send``: the ranks that send, where none of them receives: their sends are their
-    whole staging, read from the fill at the end)."""
+    instance's number of messages; ``span``: the largest rank + 1; ``lims`` and ``levels``: those of
+    :func:`_levels`.  Returns the placement, the rounds and the staging totals of
+    :func:`_place_counted` (counted per placed run, not per item; ``only_send``: the ranks that
+    send, where none of them receives: their sends are their whole staging, read from the fill
+    at the end)."""
     placement = [[0] * n for n in lengths]
     sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
     # src * span + dst -> bit mask of the rounds with a message between them (far smaller than
     # a set of (round, src, dst): one int per pair, not per message)
     pairs: dict[int, int] = defaultdict(int)
     fill = RoundFill(budget)
-    getst, mkst, mklevel = fill.state.get, fill._state, fill._level
+    for lim in lims:                    # the fill's levels: the items'
+        fill.level(lim)
+    sizes = [budget - lim for lim in lims]
+    # rank -> (used, mask per level, lims, their levels), each rank's levels registered ahead (a
+    # level not registered: its mask None, a TypeError, never a wrong round)
+    states: list = [None] * span
+    for r, lvs in levels.items():
+        states[r] = fill.register(r, sorted(lvs))
     count = only_send is None
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
-    nmask = (1 << (bits.w - bits.n)) - 1
-    rm, im, qm = bits.rmask, bits.imask, bits.qmask
+    rm, im, qm, lm = bits.rmask, bits.imask, bits.qmask, bits.lmask
     j, total = 0, len(items)
     while j < total:
         x = items[j]
-        head = x >> sd                  # (wave,) budget - bytes, src, dst: a run shares it
+        head = x >> sd                  # (wave,) level, src, dst: a run shares it
         end = j + 1
-        while end < total and items[end] >> sd == head:
-            end += 1
-        # fill.place(s, d, n, end - j), inlined, until the run is placed
-        s, d, lim = (x >> ss) & rm, head & rm, (x >> sn) & nmask
-        n = budget - lim
-        st = getst(s) or mkst(s)
-        us, index, keys, masks = st
-        i = index.get(lim)
-        if i is None:
-            i = mklevel(st, lim)
-        st = getst(d) or mkst(d)
-        ud, index, keys2, masks2 = st
-        i2 = index.get(lim)
-        if i2 is None:
-            i2 = mklevel(st, lim)
-        while True:
-            y = masks[i] | masks2[i2]
+        s, d, lv = (x >> ss) & rm, head & rm, (x >> sn) & lm
+        us, ms, ks, ids = states[s]
+        ud, md, kd, idd = states[d]
+        n = sizes[lv]
+        if end == total or items[end] >> sd != head:    # the common case, a run of one: place(s, d, n, 1)
+            y = ms[lv] | md[lv]
             bit = ~y & (y + 1)
             k = bit.bit_length() - 1
-            if k < len(us):
+            try:
                 a = us[k]
-            else:                       # new rounds start empty
+            except IndexError:          # new rounds start empty
                 a = 0
                 us.extend([0] * (k + 1 - len(us)))
-            if k < len(ud):
+            try:
                 b = ud[k]
-            else:
+            except IndexError:
                 b = 0
                 ud.extend([0] * (k + 1 - len(ud)))
-            if end - j == 1:
-                cnt, add = 1, n
-                y = items[j]
+            placement[(x >> si) & im][x & qm] = k
+            y = us[k] = a + n           # round k leaves the masks of the lims in [a, y)
+            for m in range(bisect_left(ks, a), bisect_left(ks, y)):
+                ms[ids[m]] |= bit
+            y = ud[k] = b + n
+            for m in range(bisect_left(kd, b), bisect_left(kd, y)):
+                md[idd[m]] |= bit
+            if count:
+                sends[k * span + s] += n
+            pairs[s * span + d] |= bit
+            j = end
+            continue
+        while end < total and items[end] >> sd == head:
+            end += 1
+        while j < end:                  # fill.place(s, d, n, end - j), inlined, until the run is placed
+            y = ms[lv] | md[lv]
+            bit = ~y & (y + 1)
+            k = bit.bit_length() - 1
+            if len(us) <= k:
+                us.extend([0] * (k + 1 - len(us)))
+            if len(ud) <= k:
+                ud.extend([0] * (k + 1 - len(ud)))
+            a, b = us[k], ud[k]
+            cnt = (budget - (a if a > b else b)) // n
+            if cnt > end - j:
+                cnt = end - j
+            for y in items[j:j + cnt]:
                 placement[(y >> si) & im][y & qm] = k
-            else:
-                cnt = (budget - (a if a > b else b)) // n
-                if cnt > end - j:
-                    cnt = end - j
-                add = cnt * n
-                for y in items[j:j + cnt]:
-                    placement[(y >> si) & im][y & qm] = k
-            y = us[k] = a + add         # round k leaves the masks of the lims in [a, y)
-            for m in range(bisect_left(keys, a, 0, i + 1), bisect_left(keys, y)):
-                masks[m] |= bit
+            add = cnt * n
+            y = us[k] = a + add
+            for m in range(bisect_left(ks, a), bisect_left(ks, y)):
+                ms[ids[m]] |= bit
             y = ud[k] = b + add
-            for m in range(bisect_left(keys2, b, 0, i2 + 1), bisect_left(keys2, y)):
-                masks2[m] |= bit
+            for m in range(bisect_left(kd, b), bisect_left(kd, y)):
+                md[idd[m]] |= bit
             if count:
                 sends[k * span + s] += add
             pairs[s * span + d] |= bit
             j += cnt
-            if j == end:
-                break
     if not count:
         for r in sorted(only_send):
             for k, x in enumerate(fill.used.get(r, ())):

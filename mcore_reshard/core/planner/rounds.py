@@ -11,75 +11,82 @@ class RoundFill:
     """First fit under a per-rank budget: each rank's staged bytes per round, and items placed in the
     lowest round where both their ranks have room (:meth:`place`).
 
-    Per rank: staged bytes per round (rounds past the end: 0), and for every ``lim`` (budget - an
-    item's aligned bytes) it has been asked about, a bit mask of the rounds k with used[k] > lim
-    (rounds past the end: no bit); the lowest round with room for both ranks is the lowest bit
-    clear in the two masks' OR.  Usage only grows, so a round's bit, once set, stays set: when a
-    round of the rank goes from ``a`` to ``y`` staged bytes, exactly the masks of the lims in
-    [a, y) gain its bit (two bisections in the rank's lims, kept sorted: in all, each round's bit
-    set at most once per lim).  A mask is computed from scratch only the first time the rank
-    meets its lim (:meth:`_level`); the lim changing back and forth (largest first within each
-    wave of the templated placement, sizes jumping back up at every wave) costs nothing."""
+    An item's ``lim`` is the budget less its aligned bytes; each lim met gets a level (an id,
+    :meth:`level`).  Per rank: staged bytes per round (rounds past the end: 0), and for every level
+    registered on the rank (:meth:`register`: ahead, or the first time the rank meets it), a bit
+    mask of the rounds k with used[k] > lim (rounds past the end: no bit); the lowest round with
+    room for both ranks is the lowest bit clear in the two masks' OR.  Usage only grows, so a
+    round's bit, once set, stays set: when a round of the rank goes from ``a`` to ``y`` staged
+    bytes, exactly the masks of the lims in [a, y) gain its bit (two bisections in the rank's
+    lims, kept sorted: in all, each round's bit set at most once per level).  A mask is computed
+    from the usage only when a level is registered on a rank that has staged something; the lim
+    changing back and forth (largest first within each wave of the templated placement, sizes
+    jumping back up at every wave) costs nothing."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.used: dict[int, list[int]] = {}     # rank -> staged bytes per round
-        # rank -> (its used list, {lim: index}, its lims sorted, their masks): one lookup per rank
-        self.state: dict[int, tuple[list[int], dict[int, int], list[int], list[int]]] = {}
+        self.lims: list[int] = []                # level -> lim
+        self.levels: dict[int, int] = {}         # lim -> level
+        # rank -> (its used list, mask per level (None: not registered on the rank), its lims
+        # sorted, their levels): one lookup per rank
+        self.state: dict[int, tuple[list[int], list, list[int], list[int]]] = {}
 
     @property
     def rounds(self) -> int:
         """Rounds used so far (a rank's list grows to k + 1 exactly when something lands in round k)."""
         return max(map(len, self.used.values()), default=0)
 
-    def _state(self, r: int) -> tuple[list[int], dict[int, int], list[int], list[int]]:
+    def level(self, lim: int) -> int:
+        """The level of ``lim`` (new lims get the next level: levels given in order of lims
+        ascending keep that order)."""
+        lv = self.levels.get(lim)
+        if lv is None:
+            lv = self.levels[lim] = len(self.lims)
+            self.lims.append(lim)
+        return lv
+
+    def _state(self, r: int) -> tuple[list[int], list, list[int], list[int]]:
         st = self.state.get(r)
         if st is None:
-            st = self.state[r] = (self.used.setdefault(r, []), {}, [], [])
+            st = self.state[r] = (self.used.setdefault(r, []), [], [], [])
         return st
 
-    @staticmethod
-    def _level(st: tuple, lim: int) -> int:
-        """The index in one rank's sorted lims (``st``: its state) of a ``lim`` it has not met yet,
-        its mask computed and kept (the lims above it move up one)."""
-        u, index, keys, masks = st
-        i = bisect_left(keys, lim)
-        keys.insert(i, lim)
-        masks.insert(i, int("".join(["1" if x > lim else "0" for x in reversed(u)]) or "0", 2))
-        for j in range(i, len(keys)):
-            index[keys[j]] = j
-        return i
+    def register(self, r: int, levels) -> tuple[list[int], list, list[int], list[int]]:
+        """Rank ``r``'s state, each of ``levels`` registered on it (its mask computed from what
+        the rank staged so far, kept up to date from then on)."""
+        st = self._state(r)
+        u, masks, keys, ids = st
+        for lv in levels:
+            if lv >= len(masks):
+                masks.extend([None] * (lv + 1 - len(masks)))
+            if masks[lv] is None:
+                lim = self.lims[lv]
+                masks[lv] = int("".join(["1" if x > lim else "0" for x in reversed(u)]) or "0", 2)
+                i = bisect_left(keys, lim)
+                keys.insert(i, lim)
+                ids.insert(i, lv)
+        return st
 
     def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
         """Up to ``count`` items of ``n`` (aligned) bytes from rank ``s`` to rank ``d``, each to the
         lowest round where both ranks have room: all in that round, as many as fit there (lower
         rounds never regain room, so one at a time would land the same).  Returns (round, placed)."""
         budget = self.budget
-        lim = budget - n
-        ss = self.state.get(s) or self._state(s)
-        sd = self.state.get(d) or self._state(d)
-        i = ss[1].get(lim)
-        if i is None:
-            i = self._level(ss, lim)
-        j = sd[1].get(lim)
-        if j is None:
-            j = self._level(sd, lim)
-        full = ss[3][i] | sd[3][j]
+        lv = self.level(budget - n)
+        ss, sd = self.register(s, (lv,)), self.register(d, (lv,))
+        full = ss[1][lv] | sd[1][lv]
         bit = ~full & (full + 1)
         k = bit.bit_length() - 1
-        cnt = 0
-        for st in (ss, sd):
-            u = st[0]
+        for u in (ss[0], sd[0]):
             if len(u) <= k:             # new rounds start empty
                 u.extend([0] * (k + 1 - len(u)))
-            if st is ss:
-                a, b = u[k], sd[0][k] if k < len(sd[0]) else 0
-                cnt = min(count, (budget - max(a, b)) // n)
-            a = u[k]
+        a, b = ss[0][k], sd[0][k]
+        cnt = min(count, (budget - max(a, b)) // n)
+        for (u, masks, keys, ids), a in ((ss, a), (sd, b)):
             y = u[k] = a + cnt * n
-            keys, masks = st[2], st[3]
             for m in range(bisect_left(keys, a), bisect_left(keys, y)):
-                masks[m] |= bit         # the lims in [a, y): round k leaves them
+                masks[ids[m]] |= bit    # the lims in [a, y): round k leaves them
         return k, cnt
 
 
