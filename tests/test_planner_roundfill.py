@@ -163,3 +163,65 @@ def test_templated_first_fit_registers_every_level_ahead_or_fails_loudly():
     for broken in ({3: {0, 1}}, {3: {0, 1}, 5: {0}}):
         with pytest.raises((TypeError, IndexError)):
             P._first_fit(list(items), [2], 64, bits, 6, lims, broken)
+
+
+def random_templated(rng, apart: bool):
+    """Templates and instances as :mod:`.placement` reads them (a few ranks, sizes and rounds)."""
+    from types import SimpleNamespace as NS
+    templates = []
+    for _ in range(rng.randint(1, 3)):
+        pairs = []
+        for _ in range(rng.randint(1, 12)):
+            s, d = (rng.randint(0, 1), rng.randint(2, 3)) if apart else rng.sample(range(4), 2)
+            pairs.append((s, d, 16 * rng.randint(1, 8)))
+        staged: dict[int, int] = {}
+        for s, d, n in pairs:
+            staged[s] = staged.get(s, 0) + n
+            staged[d] = staged.get(d, 0) + n
+        nr = rng.randint(1, 3)
+        templates.append(NS(pairs=pairs, round_of=[rng.randrange(nr) for _ in pairs], staged=staged,
+                            senders={s for s, _, _ in pairs}, receivers={d for _, d, _ in pairs}, plan=NS(rounds=nr)))
+    instances = []
+    for _ in range(rng.randint(1, 8)):
+        ranks = rng.sample(range(4), 2) + rng.sample(range(4, 8), 2) if apart else rng.sample(range(8), 4)
+        instances.append((rng.randrange(len(templates)), None, ranks))
+    return templates, instances
+
+
+def test_both_orders_pausing_keep_the_placement_of_running_both(monkeypatch):
+    # _place_counted's two orders, each fill paused once it can no longer be kept (and the first
+    # resumed where the other needs more than the slack), against both orders run in full and the
+    # rule applied: the first where within WAVE_SLACK x the fewest rounds, else the one with fewer
+    # rounds (ties: the first); every outcome of the rule met
+    import random
+
+    from mcore_reshard.core.planner import placement as P
+    rng = random.Random(15)
+    seen = set()
+    for case in range(400):
+        apart = case % 2 == 0
+        templates, instances = random_templated(rng, apart)
+        budget = 16 * rng.randint(8, 16)
+        slack = rng.choice([1.0, 1.05, 1.1, 1.3, 2.0])
+        monkeypatch.setattr(P, "WAVE_SLACK", slack)
+        most: dict[int, int] = {}
+        for tid, _, ranks in instances:
+            for j, v in templates[tid].staged.items():
+                most[ranks[j]] = most.get(ranks[j], 0) + v
+        fewest = -(-max(most.values()) // budget)
+        first, second = (True, False) if apart else (False, True)
+        one = P._place_counted(templates, instances, budget, waves=first)
+        other = P._place_counted(templates, instances, budget, waves=second)
+        if one[1] <= slack * fewest:
+            want, why = one, "first within slack"
+        elif other[1] < one[1]:
+            want, why = other, "other fewer" + (" within slack" if other[1] <= slack * fewest else "")
+        else:
+            want, why = one, "first fewer or tied"
+        got = P._place_counted(templates, instances, budget)
+        assert got[:2] == want[:2] and got[2][2] == want[2][2], (case, why)
+        assert {k: v for k, v in got[2][0].items() if v} == {k: v for k, v in want[2][0].items() if v}
+        assert {k: v for k, v in got[2][1].items() if v} == {k: v for k, v in want[2][1].items() if v}
+        seen.add((apart, why))
+    assert seen == {(a, w) for a in (True, False) for w in ("first within slack", "other fewer", "other fewer within slack",
+                                                             "first fewer or tied")}, seen

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Generator
 
 from .rounds import RoundFill
 
@@ -32,12 +33,13 @@ def _place_counted(templates: list, instances: list, budget: int,
     (every rank only sends or only receives) start with waves (measured, fewest possible in
     brackets: ``nccl_m2n`` 90 rounds against 105 largest first (80), ``nemo_rl_ep`` 58 / 75 (53),
     ``nemo_rl`` 34 / 41 (33)), colocated ones largest first (``colocated_sglang`` 1,574 against 1,688
-    in waves (1,457), and waves cost more there: a falling item size recomputes the round masks);
-    the other order is tried only where the first needs more than ``WAVE_SLACK`` x the fewest
-    possible rounds, and the placement with fewer rounds is kept (ties: the first).  ``waves``
-    True / False: that order only (tests)."""
-    # an item is one int, (budget - bytes, src, dst, instance, message) packed most significant
-    # first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
+    in waves (1,457), and waves cost more there: fewer runs of equal (bytes, src, dst) to place at
+    once); the other order is tried only where the first needs more than ``WAVE_SLACK`` x the
+    fewest possible rounds, and the placement with fewer rounds is kept (ties: the first); the
+    first order's fill stops there (paused: it goes on only where the other needs more than the
+    slack too).  ``waves`` True / False: that order only (tests)."""
+    # an item is one int, (level of budget - bytes, src, dst, instance, message) packed most
+    # significant first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
     top = max((r for _, _, ranks in instances for r in ranks), default=0)
     lims, levels = _levels(templates, instances, budget)
     bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, len(lims))
@@ -54,18 +56,45 @@ def _place_counted(templates: list, instances: list, budget: int,
         order = (True, False) if apart else (False, True)
     else:
         order = (waves,)
-    placement, rounds, totals = None, float("inf"), None
-    for w in order:
-        if placement is not None and rounds <= WAVE_SLACK * fewest:
-            break
+    span, only_send = top + 1, senders if apart else None
+
+    def fit(w: bool, stop: list) -> Generator:
         seq = _items(templates, instances, budget, bits, w, lims)
         seq.sort()
         # disaggregated: a sender's staging is all sends (counted from the fill, not per item)
-        got = _first_fit(seq, lengths, budget, bits, top + 1, lims, levels, senders if apart else None)
-        del seq
-        if got[1] < rounds:
-            placement, rounds, totals = got
-    return placement, rounds, totals
+        return _fit(seq, lengths, budget, bits, span, lims, levels, only_send, stop)
+
+    if len(order) == 1:
+        return _step(fit(order[0], [INF]))
+    # the first order's fill pauses as soon as it needs more than the slack, and the other is
+    # kept only with fewer rounds than the first (ties: the first): where the other needs no more
+    # than the slack, the rest of the first is never placed
+    slack = int(WAVE_SLACK * fewest)    # rounds <= WAVE_SLACK * fewest: rounds <= slack
+    stop = [slack]
+    first = fit(order[0], stop)
+    got = _step(first)
+    if got is not None:
+        return got
+    other = _step(fit(order[1], [INF]))
+    if other[1] > slack:                # the first goes on, kept unless it needs more than the other
+        stop[0] = other[1]
+        got = _step(first)
+        if got is not None:
+            return got
+    first.close()
+    return other
+
+
+INF = float("inf")
+
+
+def _step(fill: Generator) -> tuple | None:
+    """Runs a paused :func:`_fit` on: its result, or None where it paused again."""
+    try:
+        next(fill)
+    except StopIteration as done:
+        return done.value
+    return None
 
 
 class _Bits:
@@ -142,6 +171,14 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, s
     :func:`_place_counted` (counted per placed run, not per item; ``only_send``: the ranks that
     send, where none of them receives: their sends are their whole staging, read from the fill
     at the end)."""
+    return _step(_fit(items, lengths, budget, bits, span, lims, levels, only_send, [INF]))
+
+
+def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: int, lims: list[int],
+         levels: dict[int, set[int]], only_send: set[int] | None, stop: list) -> Generator:
+    """:func:`_first_fit` as a generator: it pauses (yields) each time, before an item lands in
+    round k >= ``stop[0]``, and goes on from there when resumed (``stop[0]`` read again); returns
+    (StopIteration) what :func:`_first_fit` returns."""
     placement = [[0] * n for n in lengths]
     sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
     # src * span + dst -> bit mask of the rounds with a message between them (far smaller than
@@ -175,11 +212,15 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, s
             try:
                 a = us[k]
             except IndexError:          # new rounds start empty
+                while k >= stop[0]:
+                    yield
                 a = 0
                 us.extend([0] * (k + 1 - len(us)))
             try:
                 b = ud[k]
             except IndexError:
+                while k >= stop[0]:
+                    yield
                 b = 0
                 ud.extend([0] * (k + 1 - len(ud)))
             placement[(x >> si) & im][x & qm] = k
@@ -200,6 +241,9 @@ def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, s
             y = ms[lv] | md[lv]
             bit = ~y & (y + 1)
             k = bit.bit_length() - 1
+            if len(us) <= k or len(ud) <= k:
+                while k >= stop[0]:
+                    yield
             if len(us) <= k:
                 us.extend([0] * (k + 1 - len(us)))
             if len(ud) <= k:
