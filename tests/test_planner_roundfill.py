@@ -67,12 +67,11 @@ def test_roundfill_in_waves_of_falling_sizes(calls, waves):
 
 def check_masks(fill: RoundFill) -> None:
     """Every mask a rank keeps, against its usage: the rounds over the level's lim, exactly."""
-    for r, (u, masks, keys, ids) in fill.state.items():
-        assert u is fill.used[r] and keys == sorted(keys) and len(set(keys)) == len(keys)
-        assert [fill.lims[lv] for lv in ids] == keys
-        assert sorted(ids) == [lv for lv, m in enumerate(masks) if m is not None]
-        for lv in ids:
-            assert masks[lv] == sum(1 << k for k, x in enumerate(u) if x > fill.lims[lv]), (r, lv, u)
+    for r, (u, index, keys, masks) in fill.state.items():
+        assert u is fill.used[r] and keys == sorted(keys) and len(set(keys)) == len(keys) == len(masks)
+        assert {lv: i for lv, i in enumerate(index) if i is not None} == {fill.levels[lim]: i for i, lim in enumerate(keys)}
+        for lim, m in zip(keys, masks):
+            assert m == sum(1 << k for k, x in enumerate(u) if x > lim), (r, lim, u)
 
 
 def test_masks_follow_rising_and_falling_lims_by_hand():
@@ -85,13 +84,14 @@ def test_masks_follow_rising_and_falling_lims_by_hand():
         check_masks(fill)
     assert got == [(0, 1), (0, 1), (0, 1), (1, 1), (0, 1)]
     assert fill.used[0] == [60, 60] and fill.lims == [90, 70, 40]
-    u, masks, keys, ids = fill.state[0]
-    assert keys == [40, 70, 90] and ids == [2, 1, 0]
-    assert masks == [0, 0, 0b11]         # only lim 40 has rounds over it (60 > 40 in both)
+    u, index, keys, masks = fill.state[0]
+    assert keys == [40, 70, 90] and index == [2, 1, 0]
+    assert masks == [0b11, 0, 0]         # only lim 40 has rounds over it (60 > 40 in both)
     # a new lim (60: level 3, its mask from the usage): 60 + 40 = 100, round 0 full, one of three placed
     assert fill.place(0, 1, 40, 3) == (0, 1) and fill.used[0] == [100, 60]
     check_masks(fill)
-    assert fill.state[0][1] == [0b1, 0b1, 0b11, 0b1] and fill.state[0][2] == [40, 60, 70, 90]
+    assert fill.state[0][2] == [40, 60, 70, 90] and fill.state[0][3] == [0b11, 0b1, 0b1, 0b1]
+    assert fill.state[0][1] == [3, 2, 0, 1]
 
 
 def test_levels_registered_ahead_are_kept_exact():

@@ -180,7 +180,6 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
     round k >= ``stop[0]``, and goes on from there when resumed (``stop[0]`` read again); returns
     (StopIteration) what :func:`_first_fit` returns."""
     placement = [[0] * n for n in lengths]
-    sends: dict[int, int] = defaultdict(int)    # round * span + src -> bytes staged to send
     # src * span + dst -> bit mask of the rounds with a message between them (far smaller than
     # a set of (round, src, dst): one int per pair, not per message)
     pairs: dict[int, int] = defaultdict(int)
@@ -188,11 +187,12 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
     for lim in lims:                    # the fill's levels: the items'
         fill.level(lim)
     sizes = [budget - lim for lim in lims]
-    # rank -> (used, mask per level, lims, their levels), each rank's levels registered ahead (a
-    # level not registered: its mask None, a TypeError, never a wrong round)
+    # rank -> (used, level -> index in its lims, its lims, their masks, bytes staged to send per
+    # round), each rank's levels registered ahead (a level not registered: its index None or
+    # none, an error, never a wrong round)
     states: list = [None] * span
     for r, lvs in levels.items():
-        states[r] = fill.register(r, sorted(lvs))
+        states[r] = (*fill.register(r, sorted(lvs)), [])
     count = only_send is None
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
     rm, im, qm, lm = bits.rmask, bits.imask, bits.qmask, bits.lmask
@@ -202,11 +202,11 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
         head = x >> sd                  # (wave,) level, src, dst: a run shares it
         end = j + 1
         s, d, lv = (x >> ss) & rm, head & rm, (x >> sn) & lm
-        us, ms, ks, ids = states[s]
-        ud, md, kd, idd = states[d]
+        us, ix, ks, ms, sent = states[s]
+        ud, ix2, kd, md, sent2 = states[d]
         n = sizes[lv]
         if end == total or items[end] >> sd != head:    # the common case, a run of one: place(s, d, n, 1)
-            y = ms[lv] | md[lv]
+            y = ms[ix[lv]] | md[ix2[lv]]
             bit = ~y & (y + 1)
             k = bit.bit_length() - 1
             try:
@@ -215,6 +215,7 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
                 while k >= stop[0]:
                     yield
                 a = 0
+                sent.extend([0] * (k + 1 - len(us)))
                 us.extend([0] * (k + 1 - len(us)))
             try:
                 b = ud[k]
@@ -222,31 +223,40 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
                 while k >= stop[0]:
                     yield
                 b = 0
+                sent2.extend([0] * (k + 1 - len(ud)))
                 ud.extend([0] * (k + 1 - len(ud)))
             placement[(x >> si) & im][x & qm] = k
             y = us[k] = a + n           # round k leaves the masks of the lims in [a, y)
-            for m in range(bisect_left(ks, a), bisect_left(ks, y)):
-                ms[ids[m]] |= bit
+            lo, hi = bisect_left(ks, a), bisect_left(ks, y)
+            if hi - lo == 1:
+                ms[lo] |= bit
+            elif lo < hi:
+                ms[lo:hi] = [m | bit for m in ms[lo:hi]]
             y = ud[k] = b + n
-            for m in range(bisect_left(kd, b), bisect_left(kd, y)):
-                md[idd[m]] |= bit
+            lo, hi = bisect_left(kd, b), bisect_left(kd, y)
+            if hi - lo == 1:
+                md[lo] |= bit
+            elif lo < hi:
+                md[lo:hi] = [m | bit for m in md[lo:hi]]
             if count:
-                sends[k * span + s] += n
+                sent[k] += n
             pairs[s * span + d] |= bit
             j = end
             continue
         while end < total and items[end] >> sd == head:
             end += 1
         while j < end:                  # fill.place(s, d, n, end - j), inlined, until the run is placed
-            y = ms[lv] | md[lv]
+            y = ms[ix[lv]] | md[ix2[lv]]
             bit = ~y & (y + 1)
             k = bit.bit_length() - 1
             if len(us) <= k or len(ud) <= k:
                 while k >= stop[0]:
                     yield
             if len(us) <= k:
+                sent.extend([0] * (k + 1 - len(us)))
                 us.extend([0] * (k + 1 - len(us)))
             if len(ud) <= k:
+                sent2.extend([0] * (k + 1 - len(ud)))
                 ud.extend([0] * (k + 1 - len(ud)))
             a, b = us[k], ud[k]
             cnt = (budget - (a if a > b else b)) // n
@@ -256,20 +266,26 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
                 placement[(y >> si) & im][y & qm] = k
             add = cnt * n
             y = us[k] = a + add
-            for m in range(bisect_left(ks, a), bisect_left(ks, y)):
-                ms[ids[m]] |= bit
+            lo, hi = bisect_left(ks, a), bisect_left(ks, y)
+            if hi - lo == 1:
+                ms[lo] |= bit
+            elif lo < hi:
+                ms[lo:hi] = [m | bit for m in ms[lo:hi]]
             y = ud[k] = b + add
-            for m in range(bisect_left(kd, b), bisect_left(kd, y)):
-                md[idd[m]] |= bit
+            lo, hi = bisect_left(kd, b), bisect_left(kd, y)
+            if hi - lo == 1:
+                md[lo] |= bit
+            elif lo < hi:
+                md[lo:hi] = [m | bit for m in md[lo:hi]]
             if count:
-                sends[k * span + s] += add
+                sent[k] += add
             pairs[s * span + d] |= bit
             j += cnt
-    if not count:
-        for r in sorted(only_send):
-            for k, x in enumerate(fill.used.get(r, ())):
-                if x:
-                    sends[k * span + r] = x
+    sends: dict[int, int] = {}          # round * span + src -> bytes staged to send
+    for r in sorted(levels) if count else sorted(only_send):
+        for k, x in enumerate(states[r][4] if count else fill.used.get(r, ())):
+            if x:
+                sends[k * span + r] = x
     # a rank's staging per round is what it sends plus what it receives: the receives are the rest
     recvs: dict[int, int] = {}
     for r, u in fill.used.items():

@@ -17,19 +17,19 @@ class RoundFill:
     mask of the rounds k with used[k] > lim (rounds past the end: no bit); the lowest round with
     room for both ranks is the lowest bit clear in the two masks' OR.  Usage only grows, so a
     round's bit, once set, stays set: when a round of the rank goes from ``a`` to ``y`` staged
-    bytes, exactly the masks of the lims in [a, y) gain its bit (two bisections in the rank's
-    lims, kept sorted: in all, each round's bit set at most once per level).  A mask is computed
-    from the usage only when a level is registered on a rank that has staged something; the lim
-    changing back and forth (largest first within each wave of the templated placement, sizes
-    jumping back up at every wave) costs nothing."""
+    bytes, exactly the masks of the lims in [a, y) gain its bit, consecutive ones in the rank's
+    lims kept sorted (two bisections; in all, each round's bit set at most once per level).  A
+    mask is computed from the usage only when a level is registered on a rank that has staged
+    something; the lim changing back and forth (largest first within each wave of the templated
+    placement, sizes jumping back up at every wave) costs nothing."""
 
     def __init__(self, budget: int):
         self.budget = budget
         self.used: dict[int, list[int]] = {}     # rank -> staged bytes per round
         self.lims: list[int] = []                # level -> lim
         self.levels: dict[int, int] = {}         # lim -> level
-        # rank -> (its used list, mask per level (None: not registered on the rank), its lims
-        # sorted, their levels): one lookup per rank
+        # rank -> (its used list, level -> index in its lims (None: not registered on the rank),
+        # its lims sorted, their masks): one lookup per rank
         self.state: dict[int, tuple[list[int], list, list[int], list[int]]] = {}
 
     @property
@@ -46,26 +46,23 @@ class RoundFill:
             self.lims.append(lim)
         return lv
 
-    def _state(self, r: int) -> tuple[list[int], list, list[int], list[int]]:
-        st = self.state.get(r)
-        if st is None:
-            st = self.state[r] = (self.used.setdefault(r, []), [], [], [])
-        return st
-
     def register(self, r: int, levels) -> tuple[list[int], list, list[int], list[int]]:
         """Rank ``r``'s state, each of ``levels`` registered on it (its mask computed from what
         the rank staged so far, kept up to date from then on)."""
-        st = self._state(r)
-        u, masks, keys, ids = st
+        st = self.state.get(r)
+        if st is None:
+            st = self.state[r] = (self.used.setdefault(r, []), [], [], [])
+        u, index, keys, masks = st
         for lv in levels:
-            if lv >= len(masks):
-                masks.extend([None] * (lv + 1 - len(masks)))
-            if masks[lv] is None:
+            if lv >= len(index):
+                index.extend([None] * (lv + 1 - len(index)))
+            if index[lv] is None:
                 lim = self.lims[lv]
-                masks[lv] = int("".join(["1" if x > lim else "0" for x in reversed(u)]) or "0", 2)
                 i = bisect_left(keys, lim)
                 keys.insert(i, lim)
-                ids.insert(i, lv)
+                masks.insert(i, int("".join(["1" if x > lim else "0" for x in reversed(u)]) or "0", 2))
+                for j in range(i, len(keys)):
+                    index[self.levels[keys[j]]] = j
         return st
 
     def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
@@ -75,7 +72,7 @@ class RoundFill:
         budget = self.budget
         lv = self.level(budget - n)
         ss, sd = self.register(s, (lv,)), self.register(d, (lv,))
-        full = ss[1][lv] | sd[1][lv]
+        full = ss[3][ss[1][lv]] | sd[3][sd[1][lv]]
         bit = ~full & (full + 1)
         k = bit.bit_length() - 1
         for u in (ss[0], sd[0]):
@@ -83,10 +80,10 @@ class RoundFill:
                 u.extend([0] * (k + 1 - len(u)))
         a, b = ss[0][k], sd[0][k]
         cnt = min(count, (budget - max(a, b)) // n)
-        for (u, masks, keys, ids), a in ((ss, a), (sd, b)):
+        for (u, _, keys, masks), a in ((ss, a), (sd, b)):
             y = u[k] = a + cnt * n
-            for m in range(bisect_left(keys, a), bisect_left(keys, y)):
-                masks[ids[m]] |= bit    # the lims in [a, y): round k leaves them
+            lo, hi = bisect_left(keys, a), bisect_left(keys, y)
+            masks[lo:hi] = [m | bit for m in masks[lo:hi]]      # the lims in [a, y): round k leaves them
         return k, cnt
 
 
