@@ -62,7 +62,7 @@ def _place_counted(templates: list, instances: list, budget: int,
         seq = _items(templates, instances, budget, bits, w, lims)
         seq.sort()
         # disaggregated: a sender's staging is all sends (counted from the fill, not per item)
-        return _fit(seq, lengths, budget, bits, span, lims, levels, only_send, stop)
+        return _fit(seq, lengths, budget, bits, span, lims, levels, only_send, stop, not w)
 
     if len(order) == 1:
         return _step(fit(order[0], [INF]))
@@ -163,19 +163,22 @@ def _items(templates: list, instances: list, budget: int, bits: _Bits, waves: bo
 
 
 def _first_fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: int, lims: list[int],
-               levels: dict[int, set[int]], only_send: set[int] | None = None) -> tuple[list[list[int]], int, tuple]:
+               levels: dict[int, set[int]], only_send: set[int] | None = None,
+               largest_first: bool = False) -> tuple[list[list[int]], int, tuple]:
     """Packed ``items`` (:class:`_Bits`), in order, each to the lowest round where both its ranks
     have room; consecutive items of equal (bytes, src, dst) placed together.  ``lengths``: each
     instance's number of messages; ``span``: the largest rank + 1; ``lims`` and ``levels``: those of
     :func:`_levels`.  Returns the placement, the rounds and the staging totals of
     :func:`_place_counted` (counted per placed run, not per item; ``only_send``: the ranks that
     send, where none of them receives: their sends are their whole staging, read from the fill
-    at the end)."""
-    return _step(_fit(items, lengths, budget, bits, span, lims, levels, only_send, [INF]))
+    at the end; ``largest_first``: the items are in that order, no waves: a rank keeps the mask
+    of the level its items are at only, the lower ones dropped)."""
+    return _step(_fit(items, lengths, budget, bits, span, lims, levels, only_send, [INF], largest_first))
 
 
 def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: int, lims: list[int],
-         levels: dict[int, set[int]], only_send: set[int] | None, stop: list) -> Generator:
+         levels: dict[int, set[int]], only_send: set[int] | None, stop: list,
+         largest_first: bool) -> Generator:
     """:func:`_first_fit` as a generator: it pauses (yields) each time, before an item lands in
     round k >= ``stop[0]``, and goes on from there when resumed (``stop[0]`` read again); returns
     (StopIteration) what :func:`_first_fit` returns."""
@@ -191,96 +194,115 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
     # round), each rank's levels registered ahead (a level not registered: its index None or
     # none, an error, never a wrong round)
     states: list = [None] * span
-    for r, lvs in levels.items():
-        states[r] = (*fill.register(r, sorted(lvs)), [])
-    count = only_send is None
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
+    if not largest_first:               # in waves, every level of a rank comes back: all kept
+        for r, lvs in levels.items():
+            states[r] = (*fill.register(r, sorted(lvs)), [])
+        segments = [(len(items), None, ())]
+    else:                               # level by level: a rank keeps only the level of its items to come
+        if items and items[-1] >> bits.w:
+            raise ValueError("largest-first placement: items with a wave")
+        for r in levels:
+            states[r] = (*fill.register(r, ()), [])
+        ranks_of: dict[int, list[int]] = defaultdict(list)
+        for r, lvs in levels.items():
+            for lv in lvs:
+                ranks_of[lv].append(r)
+        segments = [(bisect_left(items, (lv + 1) << sn), lv, ranks_of[lv]) for lv in range(len(lims))]
+    live: list = [None] * span          # rank -> the one level it keeps (largest first)
+    count = only_send is None
     rm, im, qm, lm = bits.rmask, bits.imask, bits.qmask, bits.lmask
-    j, total = 0, len(items)
-    while j < total:
-        x = items[j]
-        head = x >> sd                  # (wave,) level, src, dst: a run shares it
-        end = j + 1
-        s, d, lv = (x >> ss) & rm, head & rm, (x >> sn) & lm
-        us, ix, ks, ms, sent = states[s]
-        ud, ix2, kd, md, sent2 = states[d]
-        n = sizes[lv]
-        if end == total or items[end] >> sd != head:    # the common case, a run of one: place(s, d, n, 1)
-            y = ms[ix[lv]] | md[ix2[lv]]
-            bit = ~y & (y + 1)
-            k = bit.bit_length() - 1
-            try:
-                a = us[k]
-            except IndexError:          # new rounds start empty
-                while k >= stop[0]:
-                    yield
-                a = 0
-                sent.extend([0] * (k + 1 - len(us)))
-                us.extend([0] * (k + 1 - len(us)))
-            try:
-                b = ud[k]
-            except IndexError:
-                while k >= stop[0]:
-                    yield
-                b = 0
-                sent2.extend([0] * (k + 1 - len(ud)))
-                ud.extend([0] * (k + 1 - len(ud)))
-            placement[(x >> si) & im][x & qm] = k
-            y = us[k] = a + n           # round k leaves the masks of the lims in [a, y)
-            lo, hi = bisect_left(ks, a), bisect_left(ks, y)
-            if hi - lo == 1:
-                ms[lo] |= bit
-            elif lo < hi:
-                ms[lo:hi] = [m | bit for m in ms[lo:hi]]
-            y = ud[k] = b + n
-            lo, hi = bisect_left(kd, b), bisect_left(kd, y)
-            if hi - lo == 1:
-                md[lo] |= bit
-            elif lo < hi:
-                md[lo:hi] = [m | bit for m in md[lo:hi]]
-            if count:
-                sent[k] += n
-            pairs[s * span + d] |= bit
-            j = end
-            continue
-        while end < total and items[end] >> sd == head:
-            end += 1
-        while j < end:                  # fill.place(s, d, n, end - j), inlined, until the run is placed
-            y = ms[ix[lv]] | md[ix2[lv]]
-            bit = ~y & (y + 1)
-            k = bit.bit_length() - 1
-            if len(us) <= k or len(ud) <= k:
-                while k >= stop[0]:
-                    yield
-            if len(us) <= k:
-                sent.extend([0] * (k + 1 - len(us)))
-                us.extend([0] * (k + 1 - len(us)))
-            if len(ud) <= k:
-                sent2.extend([0] * (k + 1 - len(ud)))
-                ud.extend([0] * (k + 1 - len(ud)))
-            a, b = us[k], ud[k]
-            cnt = (budget - (a if a > b else b)) // n
-            if cnt > end - j:
-                cnt = end - j
-            for y in items[j:j + cnt]:
-                placement[(y >> si) & im][y & qm] = k
-            add = cnt * n
-            y = us[k] = a + add
-            lo, hi = bisect_left(ks, a), bisect_left(ks, y)
-            if hi - lo == 1:
-                ms[lo] |= bit
-            elif lo < hi:
-                ms[lo:hi] = [m | bit for m in ms[lo:hi]]
-            y = ud[k] = b + add
-            lo, hi = bisect_left(kd, b), bisect_left(kd, y)
-            if hi - lo == 1:
-                md[lo] |= bit
-            elif lo < hi:
-                md[lo:hi] = [m | bit for m in md[lo:hi]]
-            if count:
-                sent[k] += add
-            pairs[s * span + d] |= bit
-            j += cnt
+    j = 0
+    for total, lv, ranks in segments:
+        for r in ranks:                 # largest first: a level's items come together, lowest level first
+            if live[r] is not None:
+                fill.unregister(r, live[r])
+            fill.register(r, (lv,))
+            live[r] = lv
+        while j < total:
+            x = items[j]
+            head = x >> sd                  # (wave,) level, src, dst: a run shares it
+            end = j + 1
+            s, d, lv = (x >> ss) & rm, head & rm, (x >> sn) & lm
+            us, ix, ks, ms, sent = states[s]
+            ud, ix2, kd, md, sent2 = states[d]
+            n = sizes[lv]
+            if end == total or items[end] >> sd != head:    # the common case, a run of one: place(s, d, n, 1)
+                y = ms[ix[lv]] | md[ix2[lv]]
+                bit = ~y & (y + 1)
+                k = bit.bit_length() - 1
+                try:
+                    a = us[k]
+                except IndexError:          # new rounds start empty
+                    while k >= stop[0]:
+                        yield
+                    a = 0
+                    sent.extend([0] * (k + 1 - len(us)))
+                    us.extend([0] * (k + 1 - len(us)))
+                try:
+                    b = ud[k]
+                except IndexError:
+                    while k >= stop[0]:
+                        yield
+                    b = 0
+                    sent2.extend([0] * (k + 1 - len(ud)))
+                    ud.extend([0] * (k + 1 - len(ud)))
+                placement[(x >> si) & im][x & qm] = k
+                y = us[k] = a + n           # round k leaves the masks of the lims in [a, y)
+                lo, hi = bisect_left(ks, a), bisect_left(ks, y)
+                if hi - lo == 1:
+                    ms[lo] |= bit
+                elif lo < hi:
+                    ms[lo:hi] = [m | bit for m in ms[lo:hi]]
+                y = ud[k] = b + n
+                lo, hi = bisect_left(kd, b), bisect_left(kd, y)
+                if hi - lo == 1:
+                    md[lo] |= bit
+                elif lo < hi:
+                    md[lo:hi] = [m | bit for m in md[lo:hi]]
+                if count:
+                    sent[k] += n
+                pairs[s * span + d] |= bit
+                j = end
+                continue
+            while end < total and items[end] >> sd == head:
+                end += 1
+            while j < end:                  # fill.place(s, d, n, end - j), inlined, until the run is placed
+                y = ms[ix[lv]] | md[ix2[lv]]
+                bit = ~y & (y + 1)
+                k = bit.bit_length() - 1
+                if len(us) <= k or len(ud) <= k:
+                    while k >= stop[0]:
+                        yield
+                if len(us) <= k:
+                    sent.extend([0] * (k + 1 - len(us)))
+                    us.extend([0] * (k + 1 - len(us)))
+                if len(ud) <= k:
+                    sent2.extend([0] * (k + 1 - len(ud)))
+                    ud.extend([0] * (k + 1 - len(ud)))
+                a, b = us[k], ud[k]
+                cnt = (budget - (a if a > b else b)) // n
+                if cnt > end - j:
+                    cnt = end - j
+                for y in items[j:j + cnt]:
+                    placement[(y >> si) & im][y & qm] = k
+                add = cnt * n
+                y = us[k] = a + add
+                lo, hi = bisect_left(ks, a), bisect_left(ks, y)
+                if hi - lo == 1:
+                    ms[lo] |= bit
+                elif lo < hi:
+                    ms[lo:hi] = [m | bit for m in ms[lo:hi]]
+                y = ud[k] = b + add
+                lo, hi = bisect_left(kd, b), bisect_left(kd, y)
+                if hi - lo == 1:
+                    md[lo] |= bit
+                elif lo < hi:
+                    md[lo:hi] = [m | bit for m in md[lo:hi]]
+                if count:
+                    sent[k] += add
+                pairs[s * span + d] |= bit
+                j += cnt
     sends: dict[int, int] = {}          # round * span + src -> bytes staged to send
     for r in sorted(levels) if count else sorted(only_send):
         for k, x in enumerate(states[r][4] if count else fill.used.get(r, ())):

@@ -21,7 +21,8 @@ class RoundFill:
     lims kept sorted (two bisections; in all, each round's bit set at most once per level).  A
     mask is computed from the usage only when a level is registered on a rank that has staged
     something; the lim changing back and forth (largest first within each wave of the templated
-    placement, sizes jumping back up at every wave) costs nothing."""
+    placement, sizes jumping back up at every wave) costs nothing.  A level no item to come needs
+    on a rank can be dropped there (:meth:`unregister`: largest first, a lim once passed)."""
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -64,6 +65,15 @@ class RoundFill:
                 for j in range(i, len(keys)):
                     index[self.levels[keys[j]]] = j
         return st
+
+    def unregister(self, r: int, lv: int) -> None:
+        """Level ``lv`` no longer kept on rank ``r`` (none of its items to come has that lim)."""
+        u, index, keys, masks = self.state[r]
+        i = index[lv]
+        index[lv] = None
+        del keys[i], masks[i]
+        for j in range(i, len(keys)):
+            index[self.levels[keys[j]]] = j
 
     def place(self, s: int, d: int, n: int, count: int) -> tuple[int, int]:
         """Up to ``count`` items of ``n`` (aligned) bytes from rank ``s`` to rank ``d``, each to the
