@@ -183,27 +183,26 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
     round k >= ``stop[0]``, and goes on from there when resumed (``stop[0]`` read again); returns
     (StopIteration) what :func:`_first_fit` returns."""
     placement = [[0] * n for n in lengths]
-    # src * span + dst -> bit mask of the rounds with a message between them (far smaller than
-    # a set of (round, src, dst): one int per pair, not per message)
-    pairs: dict[int, int] = defaultdict(int)
     fill = RoundFill(budget)
     for lim in lims:                    # the fill's levels: the items'
         fill.level(lim)
     sizes = [budget - lim for lim in lims]
     # rank -> (used, level -> index in its lims, its lims, their masks, bytes staged to send per
-    # round), each rank's levels registered ahead (a level not registered: its index None or
-    # none, an error, never a wrong round)
+    # round, dst -> bit mask of the rounds with a message from the rank to dst (far smaller than a
+    # set of (round, src, dst): one int per pair, not per message; per src: the items come by
+    # src)), each rank's levels registered ahead (a level not registered: its index None or none,
+    # an error, never a wrong round)
     states: list = [None] * span
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
     if not largest_first:               # in waves, every level of a rank comes back: all kept
         for r, lvs in levels.items():
-            states[r] = (*fill.register(r, sorted(lvs)), [])
+            states[r] = (*fill.register(r, sorted(lvs)), [], defaultdict(int))
         segments = [(len(items), None, ())]
     else:                               # level by level: a rank keeps only the level of its items to come
         if items and items[-1] >> bits.w:
             raise ValueError("largest-first placement: items with a wave")
         for r in levels:
-            states[r] = (*fill.register(r, ()), [])
+            states[r] = (*fill.register(r, ()), [], defaultdict(int))
         ranks_of: dict[int, list[int]] = defaultdict(list)
         for r, lvs in levels.items():
             for lv in lvs:
@@ -224,8 +223,8 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
             head = x >> sd                  # (wave,) level, src, dst: a run shares it
             end = j + 1
             s, d, lv = (x >> ss) & rm, head & rm, (x >> sn) & lm
-            us, ix, ks, ms, sent = states[s]
-            ud, ix2, kd, md, sent2 = states[d]
+            us, ix, ks, ms, sent, pairs = states[s]
+            ud, ix2, kd, md, sent2, _ = states[d]
             n = sizes[lv]
             if end == total or items[end] >> sd != head:    # the common case, a run of one: place(s, d, n, 1)
                 y = ms[ix[lv]] | md[ix2[lv]]
@@ -262,7 +261,7 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
                     md[lo:hi] = [m | bit for m in md[lo:hi]]
                 if count:
                     sent[k] += n
-                pairs[s * span + d] |= bit
+                pairs[d] |= bit
                 j = end
                 continue
             while end < total and items[end] >> sd == head:
@@ -301,7 +300,7 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
                     md[lo:hi] = [m | bit for m in md[lo:hi]]
                 if count:
                     sent[k] += add
-                pairs[s * span + d] |= bit
+                pairs[d] |= bit
                 j += cnt
     sends: dict[int, int] = {}          # round * span + src -> bytes staged to send
     for r in sorted(levels) if count else sorted(only_send):
@@ -316,4 +315,5 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
             v = x - sends.get(ks, 0)
             if v:
                 recvs[ks] = v
-    return placement, fill.rounds, (sends, recvs, sum(m.bit_count() for m in pairs.values()))
+    messages = sum(m.bit_count() for st in states if st is not None for m in st[5].values())
+    return placement, fill.rounds, (sends, recvs, messages)
