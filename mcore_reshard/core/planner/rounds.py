@@ -1,8 +1,8 @@
 """Round packing: copies into rounds under the per-rank staging budget, then one message per (round, src, dst)."""
 from __future__ import annotations
 
-from collections import defaultdict
 from bisect import bisect_left
+from collections import defaultdict
 from operator import itemgetter
 
 from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
