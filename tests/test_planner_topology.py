@@ -260,8 +260,9 @@ def _unstaged_case():
 
 
 def test_unstaged_forwards_by_hand():
-    """w (1 KiB) crosses to its carrier, rank 2, in round 0 (split 7 rows + 1 row: 1008 B fit the
-    budget's 1024 minus alignment); rank 2 forwards both pieces in round 1 straight from its w
+    """w (1 KiB) crosses to its carrier, rank 2, in round 0 (split into its 8 rows: a two-level plan
+    cuts copies to a quarter of the budget, 256 B minus alignment); rank 2 forwards the 8 pieces in
+    round 1 straight from its w
     (rows of a full-width buffer: contiguous) -- unstaged, so rank 2 / 3's 1 KiB there takes no
     staging and v's staged forward (columns: not contiguous) still fits in round 1 beside it.
     v[:, 4:8] lands on carrier 3 in round 0, v[:, 0:4] in round 1 (rank 0 is full in round 0):
@@ -272,11 +273,12 @@ def test_unstaged_forwards_by_hand():
     check_two_level(src, dst, topo, plan)
     got = [(m.round, m.src, m.dst, m.forward, m.unstaged, m.nbytes, [(c.tensor, str(c.box)) for c in m.entries])
            for m in plan.messages]
+    rows = [("w", f"[{i}:{i + 1}, 0:32]") for i in range(8)]
     assert got == [
-        (0, 0, 2, False, False, 1024, [("w", "[0:7, 0:32]"), ("w", "[7:8, 0:32]")]),
+        (0, 0, 2, False, False, 1024, rows),
         (0, 1, 3, False, False, 64, [("v", "[0:4, 4:8]")]),
         (1, 0, 3, False, False, 64, [("v", "[0:4, 0:4]")]),
-        (1, 2, 3, True, True, 1024, [("w", "[0:7, 0:32]"), ("w", "[7:8, 0:32]")]),
+        (1, 2, 3, True, True, 1024, rows),
         (1, 3, 2, True, False, 64, [("v", "[0:4, 4:8]")]),
         (2, 3, 2, True, False, 64, [("v", "[0:4, 0:4]")]),
     ]
@@ -286,7 +288,9 @@ def test_unstaged_forwards_by_hand():
     # staged per (round, rank): 1024 at most, the unstaged 1 KiB of round 1 not counted
     from mcore_reshard.core.executor import staging_size
     assert [staging_size(plan, r) for r in range(4)] == [1024, 64, 1024, 128]
-    assert [staging_size(plan, r, verify=True) for r in range(4)] == [1024 + 32, 64 + 16, 1024 + 32, 64 + 16 + 32 + 64 + 16]
+    # verify: a 16 B checksum per entry (8 for w), the unstaged forward's 8 (+ v's 1) travel staged
+    assert [staging_size(plan, r, verify=True) for r in range(4)] == [1024 + 128, 64 + 16, 1024 + 128,
+                                                                       64 + 16 + 128 + 64 + 16]
     # JSON round trip keeps the flag (and the hash covers it)
     back = Plan.from_json(json.loads(plan.dumps()))
     assert back.hash == plan.hash and [m.unstaged for m in back.messages] == [m.unstaged for m in plan.messages]
@@ -415,3 +419,24 @@ def test_pack_busiest_first_by_hand():
     assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 2): ["a"], (0, 1, 3): ["c"],
                                                                (1, 0, 3): ["b"], (1, 1, 2): ["d"]}
     assert dict(used) == {0: [1024, 512], 2: [1024, 256], 1: [512, 256], 3: [512, 512]}
+
+
+def test_pack_busiest_first_shares_the_budget_between_directions():
+    """Ranks 0 and 1 each send 768 B to the other and receive as much (256 B copies), budget 1 KiB:
+    every round gives each rank half its budget to send and half to receive, in proportion to what
+    it has left of each, so round 0 carries 512 B each way (a first come, first served round would
+    give 0 -> 1 all three copies and 1 -> 0 one).  Then: rank 0 has a 1 KiB copy to send and 256 B to
+    receive -- the send does not fit its send share (819 B), nor the receive its receive share (204 B):
+    the round takes the first pair's largest copy alone, the next round the rest."""
+    from mcore_reshard.core.planner.topology import pack_busiest_first
+    copies = [(-256, s, 1 - s, f"{s}{i}", (), (), 3 * s + i) for s in (0, 1) for i in range(3)]
+    placed, used, rounds = pack_busiest_first(copies, 1024)
+    assert rounds == 2
+    assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 1): ["00", "01"], (0, 1, 0): ["10", "11"],
+                                                               (1, 0, 1): ["02"], (1, 1, 0): ["12"]}
+    assert dict(used) == {0: [1024, 512], 1: [1024, 512]}
+    copies = [(-1024, 0, 1, "big", (), (), 0), (-256, 1, 0, "small", (), (), 1)]
+    placed, used, rounds = pack_busiest_first(copies, 1024)
+    assert rounds == 2
+    assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 1): ["big"], (1, 1, 0): ["small"]}
+    assert dict(used) == {0: [1024, 256], 1: [1024, 256]}
