@@ -122,7 +122,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     if topo is not None:
         sb = src.buffers
         copies, unstaged = split_unstaged(copies, topo, tensors, lambda r, n: sb[r][n].shape, lambda r, n: bufs[r][n].shape)
-    messages, rounds, totals = _pack_rounds(copies, budget_bytes, forwards, unstaged)
+    messages, rounds, totals = _pack_rounds(copies, budget_bytes, forwards, unstaged, topo and topo.domain)
     padding: list[tuple[int, str, Box]] = []
     buffers = _buffer_meta(src, dst, padding)
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
