@@ -34,6 +34,8 @@ def _numbers(plan, topo, plan_s: float) -> dict:
             "max_stage_bytes": plan.stats["max_stage_bytes"],
             "predicted_s": p["seconds"], "paced_s": p["paced_s"], "link_bound_s": p["link_bound_s"],
             "paced_over_link_bound": p["paced_s"] / p["link_bound_s"] if p["link_bound_s"] else None,
+            "paced_serial_s": p["paced_serial_s"],
+            "paced_serial_over_link_bound": p["paced_serial_s"] / p["link_bound_s"] if p["link_bound_s"] else None,
             "predicted_over_link_bound": p["seconds"] / p["link_bound_s"] if p["link_bound_s"] else None}
 
 

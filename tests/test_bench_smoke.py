@@ -171,3 +171,27 @@ def test_costmodel_paced_hand_checked():
     assert costmodel.paced(plan, topo) == pytest.approx(0.040)
     topo2 = topo.with_(msg_latency_s=1e-3, round_latency_s=1e-2)
     assert costmodel.paced(plan, topo2) == pytest.approx(0.040 + 1e-3 + 1e-2)
+
+
+def test_costmodel_paced_pipelines_pack_and_unpack():
+    """A 1 GB staged message over the NIC (20 ms): its pack and unpack (0.6 ms each at 3.35 TB/s)
+    run beside the wire, as the executor's batched path does, except the first window (1 MiB, the
+    sender's) and the last (11,192,832 B = 1e9 - 15 MiB - 58 x 16 MiB, the receiver's); with a
+    memory slower than the wire (50 GB/s: 40 ms of copies), the copies bound the round.  The
+    windows are the executor's own."""
+    from types import SimpleNamespace as NS
+    from mcore_reshard.core.executor import common
+    from mcore_reshard.core.executor.rounds import windows
+    assert (costmodel.CHUNK_MIN, costmodel.CHUNK_MAX) == (common._CHUNK_MIN, common._CHUNK_MAX)
+    for n in (1, 1 << 20, (1 << 20) + 1, 3 << 20, (3 << 20) + 5, 31 << 20, (47 << 20) + 3, 10 ** 9):
+        w = windows(n)
+        assert costmodel.edge_windows(n) == (w[0][1] - w[0][0], w[-1][1] - w[-1][0])
+    topo = costmodel.dgx_h100().with_(msg_latency_s=0.0, round_latency_s=0.0)
+    plan = NS(messages=[NS(round=0, src=0, dst=8, entries=[NS(nbytes=10 ** 9)])], local_copies=[])
+    assert costmodel.paced(plan, topo) == pytest.approx(0.020 + 2 * 11192832 / 3.35e12, rel=1e-12)
+    # the serial model: every copy after the wire
+    assert costmodel.paced(plan, topo, pipelined=False) == pytest.approx(0.020 + 2 * 10 ** 9 / 3.35e12, rel=1e-12)
+    slow = topo.with_(hbm_bw=50e9)
+    assert costmodel.paced(plan, slow) == pytest.approx(2 * 10 ** 9 / 50e9 + 2 * 11192832 / 50e9, rel=1e-12)
+    plan.messages[0].unstaged = True            # straight from / into the tensors: no copies at all
+    assert costmodel.paced(plan, slow) == pytest.approx(0.020, rel=1e-12)

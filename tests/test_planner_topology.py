@@ -260,33 +260,41 @@ def _unstaged_case():
 
 
 def test_unstaged_forwards_by_hand():
-    """w (1 KiB) crosses to its carrier, rank 2, in round 0 (split 7 rows + 1 row: 1008 B fit the
-    budget's 1024 minus alignment); rank 2 forwards both pieces in round 1 straight from its w
-    (rows of a full-width buffer: contiguous) -- unstaged, so rank 2 / 3's 1 KiB there takes no
-    staging and v's staged forward (columns: not contiguous) still fits in round 1 beside it.
-    v[:, 4:8] lands on carrier 3 in round 0, v[:, 0:4] in round 1 (rank 0 is full in round 0):
-    forwarded in rounds 1 and 2."""
+    """w (1 KiB) crosses to its carrier, rank 2, cut into its 8 rows (a two-level plan cuts copies
+    to a quarter of the budget, 256 B minus alignment), half in round 0 and half in round 1: rank 0
+    has 1,088 B to send over the NIC and the staged bytes need 2 rounds, so no rank moves more than
+    571 B (1.05 x 1,088 / 2) over the NIC per round and direction.  Rank 2 forwards each half in the
+    next round straight from its w (rows of a full-width buffer: contiguous) -- unstaged, so that
+    512 B takes no staging.  v[:, 4:8] lands on carrier 3 in round 0; v[:, 0:4] (64 B more from rank
+    0) fits rank 0's NIC cap only in round 2 (512 + 64 > 571 in rounds 0 and 1): the cap's cost in a
+    case this small, a fourth round.  v's forwards (columns: not contiguous) are staged, in rounds
+    1 and 3."""
     src, dst = _unstaged_case()
     topo = Topology(domains=(0, 0, 1, 1))
     plan = make_plan(src, dst, budget_bytes=1024, topology=topo)
     check_two_level(src, dst, topo, plan)
     got = [(m.round, m.src, m.dst, m.forward, m.unstaged, m.nbytes, [(c.tensor, str(c.box)) for c in m.entries])
            for m in plan.messages]
+    top = [("w", f"[{i}:{i + 1}, 0:32]") for i in range(4)]
+    bottom = [("w", f"[{i}:{i + 1}, 0:32]") for i in range(4, 8)]
     assert got == [
-        (0, 0, 2, False, False, 1024, [("w", "[0:7, 0:32]"), ("w", "[7:8, 0:32]")]),
+        (0, 0, 2, False, False, 512, top),
         (0, 1, 3, False, False, 64, [("v", "[0:4, 4:8]")]),
-        (1, 0, 3, False, False, 64, [("v", "[0:4, 0:4]")]),
-        (1, 2, 3, True, True, 1024, [("w", "[0:7, 0:32]"), ("w", "[7:8, 0:32]")]),
+        (1, 0, 2, False, False, 512, bottom),
+        (1, 2, 3, True, True, 512, top),
         (1, 3, 2, True, False, 64, [("v", "[0:4, 4:8]")]),
-        (2, 3, 2, True, False, 64, [("v", "[0:4, 0:4]")]),
+        (2, 0, 3, False, False, 64, [("v", "[0:4, 0:4]")]),
+        (2, 2, 3, True, True, 512, bottom),
+        (3, 3, 2, True, False, 64, [("v", "[0:4, 0:4]")]),
     ]
-    assert plan.rounds == 3
+    assert plan.rounds == 4
     s = plan.stats
-    assert (s["max_stage_bytes"], s["unstaged_bytes"], s["forwarded_bytes"], s["nic_bytes"]) == (1024, 1024, 1152, 1152)
-    # staged per (round, rank): 1024 at most, the unstaged 1 KiB of round 1 not counted
+    assert (s["max_stage_bytes"], s["unstaged_bytes"], s["forwarded_bytes"], s["nic_bytes"]) == (576, 1024, 1152, 1152)
+    # staged per (round, rank): the unstaged forwards of rounds 1 and 2 not counted
     from mcore_reshard.core.executor import staging_size
-    assert [staging_size(plan, r) for r in range(4)] == [1024, 64, 1024, 128]
-    assert [staging_size(plan, r, verify=True) for r in range(4)] == [1024 + 32, 64 + 16, 1024 + 32, 64 + 16 + 32 + 64 + 16]
+    assert [staging_size(plan, r) for r in range(4)] == [512, 64, 576, 64]
+    # verify: 16 B of checksum per entry, staged (an unstaged message's too), in the busiest round
+    assert [staging_size(plan, r, verify=True) for r in range(4)] == [512 + 64, 64 + 16, 576 + 80 + 64, 64 + 16 + 64]
     # JSON round trip keeps the flag (and the hash covers it)
     back = Plan.from_json(json.loads(plan.dumps()))
     assert back.hash == plan.hash and [m.unstaged for m in back.messages] == [m.unstaged for m in plan.messages]
@@ -336,15 +344,20 @@ def test_unstaged_non_contiguous_is_refused():
     next(x for x in o["messages"] if x.get("unstaged"))["unstaged"] = 1
     with pytest.raises(PlanError, match="unstaged=1"):
         Plan.from_json(o)
-    # an unstaged message over the budget is fine; a staged one is not
-    big = Plan.from_json(json.loads(bad.dumps()))
-    j = next(j for j, x in enumerate(big.messages) if x.unstaged and x.nbytes == 1024)
+    # an unstaged message over the budget is fine; a staged one is not: with the budget lowered to
+    # 1,000 B, rank 2 stages 512 B in round 1 (w's bottom half) beside its 512 B unstaged forward of
+    # w's top half; that forward staged makes 1,024 B
+    o = json.loads(bad.dumps())
+    o["budget_bytes"] = 1000
+    big = Plan.from_json(o)
+    assert not any("over the plan's budget" in p for p in validate_plan(big)), validate_plan(big)
+    j = next(j for j, x in enumerate(big.messages) if x.unstaged and x.nbytes == 512 and x.round == 1)
     x = big.messages[j]
     big.messages[j] = Message(x.round, x.src, x.dst, x.nbytes, x.entries, True, False)
-    assert any("over the plan's budget of 1024 B" in p and "round 1" in p for p in validate_plan(big)), validate_plan(big)
+    assert any("over the plan's budget of 1000 B" in p and "round 1" in p for p in validate_plan(big)), validate_plan(big)
     # no budget bounds an unstaged message, so its byte count must be exactly its entries' layout
     big.messages[j] = Message(x.round, x.src, x.dst, 1 << 40, x.entries, x.forward, True)
-    assert any(f"claims {1 << 40} B, its entries end at byte 1024" in p for p in validate_plan(big)), validate_plan(big)
+    assert any(f"claims {1 << 40} B, its entries end at byte 512" in p for p in validate_plan(big)), validate_plan(big)
     big.messages[j] = x
     assert not any("claims" in p for p in validate_plan(big))
 
@@ -398,9 +411,9 @@ def test_unstaged_verify_catches_a_corrupt_landing():
     problems, bad_buffers = [], set()
     rounds.check_unstaged(r, 0, rnd, problems, bad_buffers)
     assert problems == [] and bad_buffers == set()
-    w[7, 3] += 1                   # a byte of the second entry changed after it left
+    w[3, 3] += 1                   # a byte of the last entry (row 3) changed after it left
     rounds.check_unstaged(r, 0, rnd, problems, bad_buffers)
-    assert len(problems) == 1 and "w[7:8, 0:32] from rank 2 (unstaged" in problems[0] and bad_buffers == {"w"}
+    assert len(problems) == 1 and "w[3:4, 0:32] from rank 2 (unstaged" in problems[0] and bad_buffers == {"w"}
     assert torch.equal(parts[-1][1][0][0], checksum(views[0]))
 
 
@@ -415,3 +428,24 @@ def test_pack_busiest_first_by_hand():
     assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 2): ["a"], (0, 1, 3): ["c"],
                                                                (1, 0, 3): ["b"], (1, 1, 2): ["d"]}
     assert dict(used) == {0: [1024, 512], 2: [1024, 256], 1: [512, 256], 3: [512, 512]}
+
+
+def test_pack_busiest_first_shares_the_budget_between_directions():
+    """Ranks 0 and 1 each send 768 B to the other and receive as much (256 B copies), budget 1 KiB:
+    every round gives each rank half its budget to send and half to receive, in proportion to what
+    it has left of each, so round 0 carries 512 B each way (a first come, first served round would
+    give 0 -> 1 all three copies and 1 -> 0 one).  Then: rank 0 has a 1 KiB copy to send and 256 B to
+    receive -- the send does not fit its send share (819 B), nor the receive its receive share (204 B):
+    the round takes the first pair's largest copy alone, the next round the rest."""
+    from mcore_reshard.core.planner.topology import pack_busiest_first
+    copies = [(-256, s, 1 - s, f"{s}{i}", (), (), 3 * s + i) for s in (0, 1) for i in range(3)]
+    placed, used, rounds = pack_busiest_first(copies, 1024)
+    assert rounds == 2
+    assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 1): ["00", "01"], (0, 1, 0): ["10", "11"],
+                                                               (1, 0, 1): ["02"], (1, 1, 0): ["12"]}
+    assert dict(used) == {0: [1024, 512], 1: [1024, 512]}
+    copies = [(-1024, 0, 1, "big", (), (), 0), (-256, 1, 0, "small", (), (), 1)]
+    placed, used, rounds = pack_busiest_first(copies, 1024)
+    assert rounds == 2
+    assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 1): ["big"], (1, 1, 0): ["small"]}
+    assert dict(used) == {0: [1024, 256], 1: [1024, 256]}

@@ -165,14 +165,35 @@ def _local_time(plan, topo: Topology) -> float:
     return max((2 * b / topo.hbm_bw for b in local.values()), default=0.0)
 
 
-def paced(plan, topo: Topology) -> float:
+#: the executor's batched-path byte windows (``core.executor.common._CHUNK_MIN`` / ``_CHUNK_MAX``):
+#: a message goes as CHUNK_MIN bytes, then windows doubling up to CHUNK_MAX
+CHUNK_MIN = 1 << 20
+CHUNK_MAX = 16 << 20
+
+
+def edge_windows(n: int) -> tuple[int, int]:
+    """(first, last) window sizes of an ``n``-byte message on the executor's batched path."""
+    lo, size = 0, CHUNK_MIN
+    while lo + size < n:
+        lo += size
+        size = min(2 * size, CHUNK_MAX)
+    return min(n, CHUNK_MIN), n - lo
+
+
+def paced(plan, topo: Topology, pipelined: bool = True) -> float:
     """Predicted refit time with each rank at its own pace, as the executor runs: no barrier between
     rounds, a rank starts round k when its own round k-1 is done, and a message of round k starts
     when both its ranks have started round k (:func:`predict`'s sum of round maxima assumes every
     rank waits for the slowest of each round).  Per round, messages in order of their start; each
     (rank, link class, direction) is a queue: a message ends when both its sender's out-queue and its
     receiver's in-queue have carried its bytes; a rank's round ends at its last message's end, plus
-    its message latencies, its pack/unpack copies and the round latency.  Local copies first.
+    its message latencies and the round latency.  Packing and unpacking are pipelined with the
+    wire as the executor's batched path does (each message in byte windows, window k+1 packed
+    while window k travels, each received window unpacked as it lands): a rank's round lasts at
+    least its pack/unpack copies, and the copies of the first window of each message it sends and of
+    the last window of each it receives are not hidden (:data:`CHUNK_MIN` / :data:`CHUNK_MAX`, the
+    executor's windows; ``pipelined=False``: every copy after the wire, the model before session 8).
+    Local copies first.
 
     Example (DGX H100, no latencies): round 0 has 0 -> 8 (1 GB, 20 ms on the NIC) and 16 -> 24
     (0.1 GB, 2 ms), round 1 has 16 -> 24 (1 GB): round by round 40 ms, paced 22 ms (ranks 16 and 24
@@ -191,6 +212,7 @@ def paced(plan, topo: Topology) -> float:
         end: dict[int, float] = {}
         posted: dict[int, int] = defaultdict(int)
         packed: dict[int, int] = defaultdict(int)
+        exposed: dict[int, int] = defaultdict(int)     # window bytes whose copy the wire cannot hide
         for t0, s, d, n, staged in starts:
             link = topo.same_domain(s, d)
             dt = n / (nvl if link else nic)
@@ -203,14 +225,22 @@ def paced(plan, topo: Topology) -> float:
             if staged:              # unstaged messages are neither packed nor unpacked
                 packed[s] += n
                 packed[d] += n
+                first, last = edge_windows(n)
+                exposed[s] += first
+                exposed[d] += last
         for r, e in end.items():
-            clock[r] = e + topo.msg_latency_s * posted[r] + 2 * packed[r] / topo.hbm_bw + topo.round_latency_s
+            if pipelined:
+                e = max(e, clock[r] + 2 * packed[r] / topo.hbm_bw) + 2 * exposed[r] / topo.hbm_bw
+            else:
+                e += 2 * packed[r] / topo.hbm_bw
+            clock[r] = e + topo.msg_latency_s * posted[r] + topo.round_latency_s
     return max(clock.values(), default=0.0)
 
 
 def predict(plan, topo: Topology) -> dict:
     """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round);
-    ``paced_s``: the same with each rank at its own pace (:func:`paced`)."""
+    ``paced_s``: the same with each rank at its own pace (:func:`paced`); ``paced_serial_s``: paced
+    with every pack / unpack copy after the wire (``pipelined=False``)."""
     rounds: dict[int, Traffic] = defaultdict(Traffic)
     total = Traffic()
     for m in plan.messages:
@@ -219,7 +249,8 @@ def predict(plan, topo: Topology) -> dict:
         total.add(topo, m.src, m.dst, n, staged=staged)
     local_s = _local_time(plan, topo)
     per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
-    return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo), "local_s": local_s,
+    return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo),
+            "paced_serial_s": paced(plan, topo, pipelined=False), "local_s": local_s,
             "rounds": len(per_round), "round_s": per_round, "link_bound_s": link_bound(plan, topo),
             **total.summary()}
 

@@ -42,7 +42,7 @@ from .rounds import _pack_rounds
 from .senders import _rebalance, choose_senders
 from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
-from .topology import Topology, link_stats, plan_forwarding, split_unstaged
+from .topology import COPY_SHARE, Topology, link_stats, plan_forwarding, split_unstaged
 from .validate import validate_plan
 
 
@@ -112,15 +112,17 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         for r in sorted(set(src.buffers) | set(dst.buffers)):
             topo.domain(r)              # every rank must have a domain (raises naming the rank)
         bufs = dst.buffers
-        remote, forwards, nic_bound = plan_forwarding(remote, topo, tensors, budget_bytes, to_local,
+        # copies cut to budget / COPY_SHARE, forwarded ones exactly as their carrier's copy
+        cut = max(budget_bytes // COPY_SHARE, 2 * ALIGN)
+        remote, forwards, nic_bound = plan_forwarding(remote, topo, tensors, cut, to_local,
                                                       lambda r, name: bufs[r][name].shape)
-    copies = choose_senders(remote, budget_bytes, to_local)
+    copies = choose_senders(remote, budget_bytes if topo is None else cut, to_local)
     del remote                          # freed before packing allocates the messages
     unstaged = None
     if topo is not None:
         sb = src.buffers
         copies, unstaged = split_unstaged(copies, topo, tensors, lambda r, n: sb[r][n].shape, lambda r, n: bufs[r][n].shape)
-    messages, rounds, totals = _pack_rounds(copies, budget_bytes, forwards, unstaged)
+    messages, rounds, totals = _pack_rounds(copies, budget_bytes, forwards, unstaged, topo and topo.domain)
     padding: list[tuple[int, str, Box]] = []
     buffers = _buffer_meta(src, dst, padding)
     local.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))

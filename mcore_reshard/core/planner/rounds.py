@@ -98,7 +98,7 @@ class RoundFill:
 
 
 def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None,
-                 unstaged: list[tuple] | None = None) -> tuple[list[Message], int, tuple]:
+                 unstaged: list[tuple] | None = None, domain=None) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -116,10 +116,10 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     make messages of their own (``Message.forward``); the other copies of a two-level plan
     (``forwards`` not None) are packed by :func:`~.topology.pack_busiest_first` instead.
     ``unstaged`` (two-level plans): copies that take no staging (:func:`~.topology.place_unstaged`),
-    messages of their own (``Message.unstaged``)."""
+    messages of their own (``Message.unstaged``); ``domain``: rank -> NVLink domain id, for the former."""
     if forwards is not None:            # two-level plans: busiest ranks first, round by round
         from .topology import pack_busiest_first
-        placed, used, rounds = pack_busiest_first(copies, budget)
+        placed, used, rounds = pack_busiest_first(copies, budget, domain)
     else:
         placed, used, rounds = _first_fit_runs(copies, budget)
     if forwards:

@@ -291,36 +291,92 @@ def place_unstaged(direct: list[tuple], rounds: int, placed: dict) -> int:
     return out
 
 
-def pack_busiest_first(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]], int]:
+#: two-level plans: a rank's NIC bytes per round and direction are at most NIC_PACE x the busiest
+#: NIC rank's average over the fewest rounds (:func:`pack_busiest_first`)
+NIC_PACE = 1.05
+#: two-level plans cut copies to at most budget / COPY_SHARE bytes (flat plans: the whole budget),
+#: so that a rank's sends and receives can share each round's budget (:func:`pack_busiest_first`):
+#: a copy of nearly the whole budget leaves no room beside it for the other direction
+COPY_SHARE = 4
+
+
+def pack_busiest_first(copies: list[tuple], budget: int, domain=None) -> tuple[dict, dict[int, list[int]], int]:
     """Round packing of two-level plans' staged copies: round by round, the copies of the ranks with
     the most staged bytes left go first.  (placed: (round, src, dst) -> copies, per-rank staged
     bytes per round, rounds.)
 
-    Each round starts with every rank's whole budget; the (src, dst) pairs are taken by the larger
-    of their two ranks' bytes still to place (ties: the pair), each pair's copies largest first,
-    every copy that fits both ranks' room; what does not fit waits for the next round.  So a
-    critical rank (the busiest NIC sender or receiver) fills every round until its bytes run out,
-    where a first fit over all copies largest first (:func:`~.rounds._pack_rounds`, flat plans)
-    fills early rounds with whatever is largest and leaves the critical ranks' peers short in them:
-    on the full-size configurations this is what brings the cost model's paced time within 1.15x
-    of the link bound (BENCHMARKS.md A.2).  A fresh round always places the first pair's largest
-    copy (every copy fits an empty budget), so every round places something."""
-    rem: dict[int, int] = defaultdict(int)
+    Each round splits every rank's budget between what it stages to send and what it stages to
+    receive, in proportion to the bytes it has left of each (a rank that only sends keeps the whole
+    budget for sending), and caps what any rank moves over the NIC in one direction per round:
+    ``NIC_PACE`` x the busiest NIC rank's bytes / the fewest rounds the staged bytes need, never
+    below the largest NIC copy (a cumulative pace that lets a rank behind catch up was tried: the
+    catch-up rounds set the pace, ``train1024`` 1.20 -> 1.25x the link bound).  The (src, dst) pairs are taken by the larger of their two ranks'
+    bytes still to place (ties: the pair), each pair's copies largest first, every copy that fits
+    the sender's send room and the receiver's receive room (and NIC room); what does not fit waits
+    for the next round.  So a critical rank (the busiest NIC sender or receiver) fills every round
+    until its bytes run out; a rank that sends and receives (colocated refits) does both in every
+    round, as its full-duplex NIC can, instead of rounds of sends only followed by rounds of
+    receives only; and a less busy rank does not set a round's pace above the critical rank's (a
+    round lasts as long as its slowest NIC).  A first fit over all copies largest first
+    (:func:`~.rounds._pack_rounds`, flat plans) fills early rounds with whatever is largest and
+    leaves the critical ranks' peers short in them.  On the full-size configurations this is what
+    brings the cost model's paced time near the link bound (BENCHMARKS.md A.2.1, A.2.2).  A round
+    that places nothing this way places the first pair's largest copy alone (every copy fits an
+    empty budget), so every round places something.
+
+    Example, budget 1024, one domain: rank 0 sends 768 B to rank 1 and receives 768 B from it (256 B
+    copies): each round gives rank 0 512 B to send and 512 B to receive, so round 0 carries 512 B
+    each way and round 1 the last 256 B each way."""
+    out_left: dict[int, int] = defaultdict(int)      # staged bytes still to send, per rank
+    in_left: dict[int, int] = defaultdict(int)       # ... and to receive
     pairs: dict[tuple[int, int], list] = defaultdict(list)
+    nic_out: dict[int, int] = defaultdict(int)
+    nic_in: dict[int, int] = defaultdict(int)
+    nic: dict[tuple, bool] = {}        # pair -> across domains
+    biggest = 0                         # the largest NIC copy
     for c in sorted(copies):            # largest first (then the sequence order), per pair
         n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
-        rem[c[1]] += n
-        rem[c[2]] += n
-        pairs[(c[1], c[2])].append((n, c))
+        out_left[c[1]] += n
+        in_left[c[2]] += n
+        p = (c[1], c[2])
+        x = nic.get(p)
+        if x is None:
+            x = nic[p] = domain is not None and domain(c[1]) != domain(c[2])
+        if x:
+            nic_out[c[1]] += n
+            nic_in[c[2]] += n
+            biggest = max(biggest, n)
+        pairs[p].append((n, c))
+    # NIC pace: no rank moves more NIC bytes in one direction per round than the busiest NIC rank
+    # must on average over the fewest rounds the staged bytes need (+ NIC_PACE's slack)
+    fewest = -(-max((out_left[r] + in_left[r] for r in out_left.keys() | in_left.keys()), default=0) // budget)
+    busiest = max(max(nic_out.values(), default=0), max(nic_in.values(), default=0))
+    cap = max(int(busiest / max(fewest, 1) * NIC_PACE), biggest)
     placed: dict = defaultdict(list)
     used: dict[int, list[int]] = defaultdict(list)
     k = 0
     while pairs:
-        order = sorted(pairs, key=lambda p: (-max(rem[p[0]], rem[p[1]]), p))
-        room: dict[int, int] = {}
+        order = sorted(pairs, key=lambda p: (-max(out_left[p[0]] + in_left[p[0]], out_left[p[1]] + in_left[p[1]]), p))
+        send_room: dict[int, int] = {}
+        recv_room: dict[int, int] = {}
+        staged: dict[int, int] = defaultdict(int)
+        nsend: dict[int, int] = defaultdict(lambda: cap)      # NIC room this round, to send
+        nrecv: dict[int, int] = defaultdict(lambda: cap)      # ... and to receive
+
+        def rooms(r: int) -> None:
+            o, i = out_left[r], in_left[r]
+            send_room[r] = budget * o // (o + i)
+            recv_room[r] = budget - send_room[r]
+
         for p in order:
             s, d = p
-            lim = min(room.get(s, budget), room.get(d, budget))
+            if s not in send_room:
+                rooms(s)
+            if d not in recv_room:
+                rooms(d)
+            lim = min(send_room[s], recv_room[d])
+            if nic[p]:
+                lim = min(lim, nsend[s], nrecv[d])
             items = pairs[p]
             if lim < items[-1][0]:      # not even the pair's smallest copy fits
                 continue
@@ -331,18 +387,37 @@ def pack_busiest_first(copies: list[tuple], budget: int) -> tuple[dict, dict[int
                     placed[(k, s, d)].append(c)
                 else:
                     keep.append((n, c))
-            room[s] = room.get(s, budget) - got
-            room[d] = room.get(d, budget) - got
-            rem[s] -= got
-            rem[d] -= got
+            if got:
+                _take(s, d, got, send_room, recv_room, staged, out_left, in_left)
+                if nic[p]:
+                    nsend[s] -= got
+                    nrecv[d] -= got
             if keep:
                 pairs[p] = keep
             else:
                 del pairs[p]
-        for r, x in room.items():
+        if not staged:                  # nothing fitted the split rooms: the first pair's largest copy
+            p = order[0]
+            n, c = pairs[p].pop(0)
+            placed[(k, p[0], p[1])].append(c)
+            _take(p[0], p[1], n, send_room, recv_room, staged, out_left, in_left)
+            if not pairs[p]:
+                del pairs[p]
+        for r, x in staged.items():
             u = used[r]
             if len(u) < k:
                 u.extend([0] * (k - len(u)))
-            u.append(budget - x)
+            u.append(x)
         k += 1
     return placed, used, k
+
+
+def _take(s: int, d: int, n: int, send_room: dict, recv_room: dict, staged: dict, out_left: dict,
+          in_left: dict) -> None:
+    """``n`` staged bytes from ``s`` to ``d`` placed in this round: rooms, staged bytes, bytes left."""
+    send_room[s] -= n
+    recv_room[d] -= n
+    staged[s] += n
+    staged[d] += n
+    out_left[s] -= n
+    in_left[d] -= n
