@@ -239,8 +239,7 @@ def paced(plan, topo: Topology, pipelined: bool = True) -> float:
 
 def predict(plan, topo: Topology) -> dict:
     """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round);
-    ``paced_s``: the same with each rank at its own pace (:func:`paced`); ``paced_serial_s``: paced
-    with every pack / unpack copy after the wire (``pipelined=False``)."""
+    ``paced_s``: the same with each rank at its own pace (:func:`paced`)."""
     rounds: dict[int, Traffic] = defaultdict(Traffic)
     total = Traffic()
     for m in plan.messages:
@@ -249,8 +248,7 @@ def predict(plan, topo: Topology) -> dict:
         total.add(topo, m.src, m.dst, n, staged=staged)
     local_s = _local_time(plan, topo)
     per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
-    return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo),
-            "paced_serial_s": paced(plan, topo, pipelined=False), "local_s": local_s,
+    return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo), "local_s": local_s,
             "rounds": len(per_round), "round_s": per_round, "link_bound_s": link_bound(plan, topo),
             **total.summary()}
 

@@ -112,8 +112,9 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
         for r in sorted(set(src.buffers) | set(dst.buffers)):
             topo.domain(r)              # every rank must have a domain (raises naming the rank)
         bufs = dst.buffers
-        # copies cut to budget / COPY_SHARE, forwarded ones exactly as their carrier's copy
-        cut = max(budget_bytes // COPY_SHARE, 2 * ALIGN)
+        # copies cut to budget / COPY_SHARE (>= 256 B: the budget is >= 1 KiB), forwarded ones
+        # exactly as their carrier's copy
+        cut = budget_bytes // COPY_SHARE
         remote, forwards, nic_bound = plan_forwarding(remote, topo, tensors, cut, to_local,
                                                       lambda r, name: bufs[r][name].shape)
     copies = choose_senders(remote, budget_bytes if topo is None else cut, to_local)
