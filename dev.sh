@@ -32,8 +32,23 @@ find_python() {
   return 1
 }
 
+# The planner's first fit in C (mcore_reshard/core/planner/_cfit.c, an optional extension built in
+# place by `pip install -e .`): built again where a C compiler is at hand and the venv's Python has
+# no build of it, or an older one than the source (without one the planner runs its Python reference).
+ensure_kernel() {  # ensure_kernel VENV
+  local venv=$1 so
+  command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || return 0
+  so=$("$venv/bin/python" -c 'import importlib.util as u; s = u.find_spec("mcore_reshard.core.planner._cfit"); print(s.origin if s else "")' 2>/dev/null || true)
+  if [ -n "$so" ] && [ ! mcore_reshard/core/planner/_cfit.c -nt "$so" ] && [ ! setup.py -nt "$so" ]; then
+    return 0
+  fi
+  echo "[dev.sh] building the planner's C kernel for $venv" >&2
+  "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+}
+
 setup() {
   if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm' 2>/dev/null; then
+    ensure_kernel "$VENV"
     return 0
   fi
   py=$(find_python)
@@ -52,7 +67,8 @@ CORE_TESTS="tests/test_planner_properties.py tests/test_planner_cases.py tests/t
   tests/test_executor_multiproc.py tests/test_dtensor.py tests/test_family_rules.py tests/test_targets.py
   tests/test_fp8.py tests/test_layers.py tests/test_adversarial_plans.py tests/test_adversarial_misuse.py
   tests/test_adversarial_faults.py tests/test_planner_templates.py tests/test_adversarial_templated.py
-  tests/test_planner_topology.py tests/test_executor_pipeline.py tests/test_planner_roundfill.py"
+  tests/test_planner_topology.py tests/test_executor_pipeline.py tests/test_planner_roundfill.py
+  tests/test_planner_cfit.py"
 core311() {
   local venv=${VENV}-py311
   if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis, tqdm' 2>/dev/null; then
@@ -61,6 +77,7 @@ core311() {
     "$venv/bin/pip" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 tqdm==4.70.1 2>&1 | grep -v '^WARNING: Location' || true
     "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
   fi
+  ensure_kernel "$venv"
   "$venv/bin/python" -c 'import sys; import mcore_reshard; assert "megatron" not in sys.modules'
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pytest -q -p no:cacheprovider $CORE_TESTS "$@"

@@ -4,10 +4,13 @@ global rounds under the per-rank budget, items packed into one int each.  ``temp
 ``plan.rounds``)."""
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
+from operator import add
 
+from . import fastfit
 from .rounds import RoundFill
 
 WAVE_SLACK = 1.1     # a first order needing more than this x the fewest rounds: the other order is tried too
@@ -38,16 +41,11 @@ def _place_counted(templates: list, instances: list, budget: int,
     fewest possible rounds, and the placement with fewer rounds is kept (ties: the first); the
     first order's fill stops there (paused: it goes on only where the other needs more than the
     slack too).  ``waves`` True / False: that order only (tests)."""
-    # an item is one int, (level of budget - bytes, src, dst, instance, message) packed most
-    # significant first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
     top = max((r for _, _, ranks in instances for r in ranks), default=0)
-    lims, levels = _levels(templates, instances, budget)
-    bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, len(lims))
     most: dict[int, int] = defaultdict(int)       # rank -> bytes it stages in all
     for tid, _, ranks in instances:
         for j, v in templates[tid].staged.items():
             most[ranks[j]] += v
-    lengths = [len(templates[tid].pairs) for tid, _, _ in instances]
     fewest = -(-max(most.values(), default=0) // budget)
     senders = {ranks[j] for tid, _, ranks in instances for j in templates[tid].senders}
     receivers = {ranks[j] for tid, _, ranks in instances for j in templates[tid].receivers}
@@ -57,6 +55,17 @@ def _place_counted(templates: list, instances: list, budget: int,
     else:
         order = (waves,)
     span, only_send = top + 1, senders if apart else None
+    slack = int(WAVE_SLACK * fewest)    # rounds <= WAVE_SLACK * fewest: rounds <= slack
+    ck = fastfit.cfit
+    if ck is not None:                  # the same placement by the C kernel
+        got = _place_c(ck, templates, instances, budget, _lims(templates, budget), span, order, slack)
+        if got is not None:
+            return got
+    # an item is one int, (level of budget - bytes, src, dst, instance, message) packed most
+    # significant first: sorting the ints sorts the tuples (a quarter of the memory, faster to sort)
+    lims, levels = _levels(templates, instances, budget)
+    bits = _Bits(max((len(t.pairs) for t in templates), default=1), len(instances), top, len(lims))
+    lengths = [len(templates[tid].pairs) for tid, _, _ in instances]
 
     def fit(w: bool, stop: list) -> Generator:
         seq = _items(templates, instances, budget, bits, w, lims)
@@ -69,7 +78,6 @@ def _place_counted(templates: list, instances: list, budget: int,
     # the first order's fill pauses as soon as it needs more than the slack, and the other is
     # kept only with fewer rounds than the first (ties: the first): where the other needs no more
     # than the slack, the rest of the first is never placed
-    slack = int(WAVE_SLACK * fewest)    # rounds <= WAVE_SLACK * fewest: rounds <= slack
     stop = [slack]
     first = fit(order[0], stop)
     got = _step(first)
@@ -86,6 +94,82 @@ def _place_counted(templates: list, instances: list, budget: int,
 
 
 INF = float("inf")
+
+
+class Staged(Mapping):
+    """Bytes staged per ``round * span + rank`` (the nonzero ones), as the C kernel counts them:
+    one int64 per (rank, round), rank-major, ranks in increasing order -- a read-only mapping
+    without a dict of every (round, rank) (``colocated_sglang``: 800 k of them)."""
+
+    def __init__(self, data: bytes, ranks: list[int], rounds: int, span: int):
+        self.data = array("q")
+        self.data.frombytes(data)
+        self.ranks, self.rounds, self.span = ranks, rounds, span
+        self._index: dict[int, int] | None = None
+
+    def __getitem__(self, key: int) -> int:
+        k, r = divmod(key, self.span)
+        if self._index is None:
+            self._index = {x: j for j, x in enumerate(self.ranks)}
+        j = self._index.get(r)
+        v = self.data[j * self.rounds + k] if j is not None and 0 <= k < self.rounds else 0
+        if not v:
+            raise KeyError(key)
+        return v
+
+    def __iter__(self):
+        data, rounds, span = self.data, self.rounds, self.span
+        for j, r in enumerate(self.ranks):
+            for k in range(rounds):
+                if data[j * rounds + k]:
+                    yield k * span + r
+
+    def __len__(self) -> int:
+        return len(self.data) - self.data.count(0)
+
+    def values(self) -> list[int]:
+        return list(filter(None, self.data))
+
+    def max_plus(self, other) -> int | None:
+        """The largest sum of this and ``other`` at one (round, rank) (None: not the same ranks and rounds)."""
+        if not isinstance(other, Staged) or (other.ranks, other.rounds) != (self.ranks, self.rounds):
+            return None
+        return max(map(add, self.data, other.data), default=0)
+
+
+def _place_c(ck, templates: list, instances: list, budget: int, lims: list[int], span: int, order: tuple,
+             slack: int) -> tuple | None:
+    """:func:`_place_counted` by the C kernel (:mod:`.fastfit`): the same orders, the same rule
+    (the first order given up once it needs more than ``slack`` rounds, the other tried, the
+    first finished only where the other needs more than the slack too, ties: the first), the
+    same placement; None where the kernel refuses the input (the Python places it then)."""
+    level = {lim: lv for lv, lim in enumerate(lims)}
+    tpls = [([s for s, _, _ in t.pairs], [d for _, d, _ in t.pairs], [level[budget - n] for _, _, n in t.pairs],
+             t.round_of, t.plan.rounds) for t in templates]
+    insts = [(tid, ranks) for tid, _, ranks in instances]
+    sizes = [budget - lim for lim in lims]
+
+    def run(waves: bool, stop: int):
+        got = ck.place(tpls, insts, sizes, budget, waves, stop, span)
+        if got is None:
+            return None
+        rows, rounds, messages, ranks, sent, received = got
+        return rows, rounds, (Staged(sent, ranks, rounds, span), Staged(received, ranks, rounds, span), messages)
+
+    try:
+        if len(order) == 1:
+            return run(order[0], -1)
+        first = run(order[0], slack)        # None: it needs more than the slack
+        if first is not None:
+            return first
+        other = run(order[1], -1)
+        if other[1] > slack:                # the first finished, kept unless it needs more than the other
+            first = run(order[0], other[1])
+            if first is not None:
+                return first
+        return other
+    except fastfit.FALLBACK:
+        return None
 
 
 def _step(fill: Generator) -> tuple | None:
@@ -112,11 +196,16 @@ class _Bits:
         self.lmask = (1 << (self.w - self.n)) - 1
 
 
+def _lims(templates: list, budget: int) -> list[int]:
+    """The lims (budget - bytes) of every template message, ascending (a message's level: its index)."""
+    return sorted({budget - n for t in templates for _, _, n in t.pairs})
+
+
 def _levels(templates: list, instances: list, budget: int) -> tuple[list[int], dict[int, set[int]]]:
     """The lims (budget - bytes) of every message, ascending (a message's level: its lim's index
     there, packed in its item in place of the lim: the same order), and per rank the levels of
     the messages it sends or receives (registered on it ahead: :meth:`.RoundFill.register`)."""
-    lims = sorted({budget - n for t in templates for _, _, n in t.pairs})
+    lims = _lims(templates, budget)
     level = {lim: lv for lv, lim in enumerate(lims)}
     per_template = []
     for t in templates:

@@ -5,6 +5,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from operator import itemgetter
 
+from . import fastfit
 from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
 
 class RoundFill:
@@ -160,9 +161,9 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
-def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]], int]:
+def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]] | None, int]:
     """:func:`_pack_rounds`' first fit of flat plans: (placed: (round, src, dst) -> copies, per-rank
-    staged bytes per round, rounds)."""
+    staged bytes per round (None where the C kernel placed them: flat plans do not read it), rounds)."""
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     fill = RoundFill(budget)
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
@@ -183,6 +184,26 @@ def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, l
                 g.append(c)
         runs = [groups[k3] for k3 in sorted(groups)]
         del groups
+    ck = fastfit.cfit
+    if ck is not None:                  # the same rounds by the C kernel (no per-rank usage kept)
+        try:
+            rounds, ks, cs = ck.fit_runs([r[0][1] for r in runs], [r[0][2] for r in runs],
+                                         [(-r[0][0] + ALIGN - 1) // ALIGN * ALIGN for r in runs],
+                                         [len(r) for r in runs], budget)
+        except fastfit.FALLBACK:
+            pass
+        else:
+            at = 0
+            for run in runs:
+                c = run[0]
+                s, d = c[1], c[2]
+                j, end = 0, len(run)
+                while j < end:
+                    k, cnt = ks[at], cs[at]
+                    at += 1
+                    placed[(k, s, d)].extend(run[j:j + cnt] if j or cnt < end else run)
+                    j += cnt
+            return placed, None, rounds
     for run in runs:
         c = run[0]
         s, d = c[1], c[2]

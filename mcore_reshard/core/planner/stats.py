@@ -62,11 +62,15 @@ def _totals_dict(ranks: list[int], totals: tuple, lower_bound: int | None, local
                  rounds: int) -> dict:
     """The stats dict of a plan from its per-rank totals (sent, received, staged per round and rank)."""
     sent, recv, stage_send, stage_recv = totals
-    stage: dict[tuple[int, int], int] = defaultdict(int)
-    for key, v in stage_send.items():
-        stage[key] += v
-    for key, v in stage_recv.items():
-        stage[key] += v
+    plus = getattr(stage_send, "max_plus", None)       # the C kernel's staging (placement.Staged)
+    max_stage = None if plus is None else plus(stage_recv)
+    if max_stage is None:
+        stage: dict[tuple[int, int], int] = defaultdict(int)
+        for key, v in stage_send.items():
+            stage[key] += v
+        for key, v in stage_recv.items():
+            stage[key] += v
+        max_stage = max(stage.values(), default=0)
     network = sum(sent.values())
     return {
         "network_bytes": network,
@@ -82,6 +86,6 @@ def _totals_dict(ranks: list[int], totals: tuple, lower_bound: int | None, local
         "max_stage_send_bytes": max(stage_send.values(), default=0),
         "max_stage_recv_bytes": max(stage_recv.values(), default=0),
         # one staging buffer per rank holds a round's sends and receives together: its size
-        "max_stage_bytes": max(stage.values(), default=0),
+        "max_stage_bytes": max_stage,
     }
 
