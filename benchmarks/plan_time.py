@@ -11,7 +11,9 @@ from the templates alone for a templated plan), and each as a ratio to the loop
 ``--classic``: the copy-by-copy planner (``templates=False``); ``--always``: the templated plan
 even where its rounds exceed ``ROUND_SLACK`` x the fewest possible (``templates="always"``).  ``--hash``: also the plan hash and
 its time.  ``--check``: also ``validate_plan`` of the busiest rank's part (with the part: what a
-``Resharder`` does at bind on that rank).  ``--whole`` (templated plans): also, last, every rank's
+``Resharder`` does at bind on that rank).  ``first_fit``: the C kernel's
+(:mod:`mcore_reshard.core.planner.fastfit`) or the Python reference's (``MCORE_RESHARD_PURE_PYTHON=1``).
+``--whole`` (templated plans): also, last, every rank's
 views made and that rank checked against the whole plan (what binding cost before parts), its
 time and resident memory added.
 Configurations: those of ``mcore_reshard.tools.bench`` and ``fp8_tp8``.
@@ -79,7 +81,9 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
     mem = peak_bytes() - rss0
     from mcore_reshard.core.planner import TemplatedPlan
     kind = "make_fp8_plan" if name == "fp8_tp8" else "templated" if isinstance(plan, TemplatedPlan) else "classic"
-    out = {"name": name, "planner": kind, "layout_s": round(layout_s, 2),
+    from mcore_reshard.core.planner import fastfit
+    out = {"name": name, "planner": kind, "first_fit": "c" if fastfit.cfit is not None else "python",
+           "layout_s": round(layout_s, 2),
            "plan_s": round(plan_s, 3), "plan_cpu_s": round(plan_cpu, 3), "rss_added_mib": round(mem / 2**20)}
     if name != "fp8_tp8":
         s = plan.stats

@@ -132,6 +132,15 @@ def test_templated_placement_equals_the_python_in_both_orders_and_the_rule(monke
         for waves in (None, True, False):
             same(P._place_counted(templates, instances, budget, waves=waves),
                  python_place(monkeypatch, templates, instances, budget, waves=waves))
+        # the kernel's 128-bit keys (items too wide for 64 bits) place the same as its 64-bit ones
+        lims = P._lims(templates, budget)
+        level = {lim: lv for lv, lim in enumerate(lims)}
+        tpls = [([s for s, _, _ in t.pairs], [d for _, d, _ in t.pairs], [level[budget - n] for _, _, n in t.pairs],
+                 t.round_of, t.plan.rounds) for t in templates]
+        insts = [(tid, ranks) for tid, _, ranks in instances]
+        for waves in (True, False):
+            args = (tpls, insts, [budget - lim for lim in lims], budget, waves, -1, 8)
+            assert ck.place(*args, True) == ck.place(*args)
 
 
 @needs_c

@@ -275,7 +275,7 @@ static int bitlen(int64_t v) {      /* bits to hold 0 .. v - 1 (at least 1) */
     return b;
 }
 
-#define RADIX_BITS 11
+#define RADIX_BITS 16
 #define RADIX_SIZE (1 << RADIX_BITS)
 
 /* LSD radix sorts of n keys on their ``bits`` lowest bits, RADIX_BITS a pass; a pass that all
@@ -304,8 +304,91 @@ static int name(T *a, Py_ssize_t n, int bits) {                                 
 RADIX_SORT(radix128, u128)
 RADIX_SORT(radix64, uint64_t)
 
+/* What placing the items of the templated placement needs (see place()). */
+typedef struct {
+    Tpl *tpl;
+    int64_t *tid, *off, **ranks, *sizes;
+    int32_t *map, *rounds_of;
+    Py_ssize_t ninst, items, nchunks, chunk_cap;
+    uint64_t *chunks;
+    int waves, qb, ib, rb, lb, db, sb, lvb, wvb, total;
+    int64_t stop;
+    Fill *f;
+} Items;
+
+static int add_chunk(Items *it, uint64_t key) {
+    if (it->nchunks == it->chunk_cap) {
+        it->chunk_cap *= 2;
+        uint64_t *x = realloc(it->chunks, it->chunk_cap * sizeof(uint64_t));
+        if (!x) { PyErr_NoMemory(); return -1; }
+        it->chunks = x;
+    }
+    it->chunks[it->nchunks++] = key;
+    return 0;
+}
+
+/* The items as keys of type T (fields packed from the least significant bit: message, instance,
+ * dst, src, level, wave), sorted, then runs of equal (wave, level, src, dst) first fit.  Returns
+ * 0, 1 where an item would land in a round >= stop, -1 on an error (set). */
+#define FIT_ITEMS(name, T, SORT)                                                                \
+static int name(Items *it) {                                                                    \
+    T *keys = malloc((it->items + 1) * sizeof(T));                                              \
+    if (!keys) { PyErr_NoMemory(); return -1; }                                                 \
+    Py_ssize_t j = 0;                                                                           \
+    for (Py_ssize_t i = 0; i < it->ninst; i++) {                                                \
+        Tpl *t = &it->tpl[it->tid[i]];                                                          \
+        const int64_t *rk = it->ranks[i];                                                       \
+        const T base = (T)i << it->qb;                                                          \
+        const int64_t shift = t->rounds ? i % t->rounds : 0;                                    \
+        for (Py_ssize_t q = 0; q < t->n; q++) {                                                 \
+            T wave = 0;                                                                         \
+            if (it->waves) {                                                                    \
+                int64_t w = t->k[q] + shift;                                                    \
+                wave = (T)(w >= t->rounds ? w - t->rounds : w);                                 \
+            }                                                                                   \
+            keys[j++] = wave << it->wvb | (T)t->lv[q] << it->lvb | (T)it->map[rk[t->s[q]]] << it->sb \
+                        | (T)it->map[rk[t->d[q]]] << it->db | base | (T)q;                      \
+        }                                                                                       \
+    }                                                                                           \
+    if (SORT(keys, it->items, it->total) < 0) { free(keys); return -1; }                        \
+    const T qmask = ((T)1 << it->qb) - 1, imask = ((T)1 << it->ib) - 1,                        \
+            rmask = ((T)1 << it->rb) - 1, lmask = ((T)1 << it->lb) - 1;                         \
+    int status = 0;                                                                             \
+    j = 0;                                                                                      \
+    while (j < it->items) {                                                                     \
+        Py_ssize_t end = j + 1;                                                                 \
+        const T head = keys[j] >> it->db;       /* (wave, level, src, dst): a run shares it */ \
+        while (end < it->items && (keys[end] >> it->db) == head) end++;                         \
+        Py_ssize_t lv = (Py_ssize_t)((keys[j] >> it->lvb) & lmask);                             \
+        Py_ssize_t a = (Py_ssize_t)((keys[j] >> it->sb) & rmask), b = (Py_ssize_t)(head & rmask); \
+        int64_t n = it->sizes[lv];                                                              \
+        while (j < end) {                                                                       \
+            int64_t got;                                                                        \
+            Py_ssize_t k = fill_one(it->f, a, b, lv, n, end - j, it->stop, &got);               \
+            if (k == -1) { status = 1; goto out; }                                              \
+            if (k < 0) { status = -1; goto out; }                                               \
+            if (k >= ((Py_ssize_t)1 << 21)) {                                                   \
+                PyErr_SetString(PyExc_OverflowError, "place: too many rounds");                 \
+                status = -1;                                                                    \
+                goto out;                                                                       \
+            }                                                                                   \
+            if (add_chunk(it, (uint64_t)k << 42 | (uint64_t)a << 21 | (uint64_t)b) < 0) { status = -1; goto out; } \
+            for (Py_ssize_t x = j; x < j + got; x++)                                            \
+                it->rounds_of[it->off[(Py_ssize_t)((keys[x] >> it->qb) & imask)]                \
+                              + (Py_ssize_t)(keys[x] & qmask)] = (int32_t)k;                    \
+            j += got;                                                                           \
+        }                                                                                       \
+    }                                                                                           \
+out:                                                                                            \
+    free(keys);                                                                                 \
+    return status;                                                                              \
+}
+
+FIT_ITEMS(fit_items64, uint64_t, radix64)
+FIT_ITEMS(fit_items128, u128, radix128)
+
 PyDoc_STRVAR(place_doc,
-"place(templates, instances, sizes, budget, waves, stop, span) -> None | (placement, rounds, messages, ranks, sent, received)\n\n"
+"place(templates, instances, sizes, budget, waves, stop, span[, wide]) -> None | (placement, rounds, messages, ranks, sent, received)\n\n"
 "The templated placement of placement._fit: ``templates`` a list of (srcs, dsts, levels, rounds of\n"
 "its messages, its own rounds), ``instances`` a list of (template id, ranks); ``sizes[level]`` the\n"
 "bytes of a level (levels in order of size descending).  Items (wave, level, src rank, dst rank,\n"
@@ -314,13 +397,15 @@ PyDoc_STRVAR(place_doc,
 "item would land in a round >= ``stop`` (stop < 0: no limit).  Else per instance the round of\n"
 "each message, the rounds, the number of distinct (round, src, dst), the ranks in increasing\n"
 "order, and the bytes each stages to send and to receive per round: int64 bytes, rank-major\n"
-"(``rounds`` values a rank, the ranks in that order).");
+"(``rounds`` values a rank, the ranks in that order).  ``wide``: 128-bit keys even where 64 bits\n"
+"hold the items (tests).");
 
 static PyObject *place(PyObject *self, PyObject *args) {
     PyObject *otpl, *oinst, *osizes;
     long long budget, stop, span;
-    int waves;
-    if (!PyArg_ParseTuple(args, "OOOLpLL", &otpl, &oinst, &osizes, &budget, &waves, &stop, &span)) return NULL;
+    int waves, wide = 0;
+    if (!PyArg_ParseTuple(args, "OOOLpLL|p", &otpl, &oinst, &osizes, &budget, &waves, &stop, &span, &wide))
+        return NULL;
     PyObject *result = NULL, *ftpl = NULL, *finst = NULL;
     Tpl *tpl = NULL;
     Py_ssize_t ntpl = 0, ninst = 0, nsizes = 0, nall = 0;
@@ -328,7 +413,6 @@ static PyObject *place(PyObject *self, PyObject *args) {
     int64_t **ranks = NULL;
     Py_ssize_t *nrk = NULL;
     int32_t *map = NULL, *rounds_of = NULL;
-    u128 *keys = NULL;
     uint64_t *chunks = NULL;
     Fill f;
     memset(&f, 0, sizeof(f));
@@ -363,7 +447,7 @@ static PyObject *place(PyObject *self, PyObject *args) {
         tpl[t].rounds = nr;
         for (Py_ssize_t q = 0; q < a; q++) {
             if (tpl[t].lv[q] < 0 || tpl[t].lv[q] >= nsizes || tpl[t].s[q] < 0 || tpl[t].d[q] < 0
-                || tpl[t].k[q] < 0) {
+                || tpl[t].k[q] < 0 || tpl[t].k[q] >= nr) {
                 PyErr_Format(PyExc_ValueError, "place: template %zd message %zd out of range", t, q);
                 goto done;
             }
@@ -419,53 +503,17 @@ static PyObject *place(PyObject *self, PyObject *args) {
     const int qb = bitlen(maxq), ib = bitlen(ninst), rb = bitlen(nranks), lb = bitlen(nsizes), wb = bitlen(maxwave);
     const int db = qb + ib, sb = db + rb, lvb = sb + rb, wvb = lvb + lb, total = wvb + wb;
     if (total > 128) { PyErr_SetString(PyExc_OverflowError, "place: items too wide for 128 bits"); goto done; }
-    keys = malloc((items + 1) * sizeof(u128));
     rounds_of = malloc((items + 1) * sizeof(int32_t));
-    if (!keys || !rounds_of) { PyErr_NoMemory(); goto done; }
-    Py_ssize_t j = 0;
-    for (Py_ssize_t i = 0; i < ninst; i++) {
-        Tpl *t = &tpl[tid[i]];
-        int64_t *rk = ranks[i];
-        const u128 base = (u128)i << qb;
-        for (Py_ssize_t q = 0; q < t->n; q++) {
-            u128 wave = waves ? (u128)((t->k[q] + i) % t->rounds) : 0;
-            keys[j++] = wave << wvb | (u128)t->lv[q] << lvb | (u128)map[rk[t->s[q]]] << sb
-                        | (u128)map[rk[t->d[q]]] << db | base | (u128)q;
-        }
-    }
-    if (radix128(keys, items, total) < 0) goto done;
+    if (!rounds_of) { PyErr_NoMemory(); goto done; }
     if (fill_init(&f, budget, nranks, nsizes, 1) < 0) goto done;
-    Py_ssize_t nchunks = 0, chunk_cap = items / 4 + 16;
-    chunks = malloc(chunk_cap * sizeof(uint64_t));
-    if (!chunks) { PyErr_NoMemory(); goto done; }
-    const u128 qmask = ((u128)1 << qb) - 1, imask = ((u128)1 << ib) - 1, rmask = ((u128)1 << rb) - 1,
-               lmask = ((u128)1 << lb) - 1;
-    j = 0;
-    while (j < items) {
-        Py_ssize_t end = j + 1;
-        const u128 head = keys[j] >> db;       /* (wave, level, src, dst): a run shares it */
-        while (end < items && (keys[end] >> db) == head) end++;
-        Py_ssize_t lv = (Py_ssize_t)((keys[j] >> lvb) & lmask);
-        Py_ssize_t a = (Py_ssize_t)((keys[j] >> sb) & rmask), b = (Py_ssize_t)(head & rmask);
-        int64_t n = sizes[lv];
-        while (j < end) {
-            int64_t got;
-            Py_ssize_t k = fill_one(&f, a, b, lv, n, end - j, stop, &got);
-            if (k == -1) { result = Py_None; Py_INCREF(result); goto done; }
-            if (k < 0) goto done;
-            if (k >= ((Py_ssize_t)1 << 21)) { PyErr_SetString(PyExc_OverflowError, "place: too many rounds"); goto done; }
-            if (nchunks == chunk_cap) {
-                chunk_cap *= 2;
-                uint64_t *x = realloc(chunks, chunk_cap * sizeof(uint64_t));
-                if (!x) { PyErr_NoMemory(); goto done; }
-                chunks = x;
-            }
-            chunks[nchunks++] = (uint64_t)k << 42 | (uint64_t)a << 21 | (uint64_t)b;
-            for (Py_ssize_t x = j; x < j + got; x++)
-                rounds_of[off[(Py_ssize_t)((keys[x] >> qb) & imask)] + (Py_ssize_t)(keys[x] & qmask)] = (int32_t)k;
-            j += got;
-        }
-    }
+    Items it = {tpl, tid, off, ranks, sizes, map, rounds_of, ninst, items, 0, items / 4 + 16, NULL,
+                waves, qb, ib, rb, lb, db, sb, lvb, wvb, total, stop, &f};
+    if (!(it.chunks = chunks = malloc(it.chunk_cap * sizeof(uint64_t)))) { PyErr_NoMemory(); goto done; }
+    int status = total <= 64 && !wide ? fit_items64(&it) : fit_items128(&it);
+    chunks = it.chunks;
+    if (status < 0) goto done;
+    if (status == 1) { result = Py_None; Py_INCREF(result); goto done; }
+    Py_ssize_t nchunks = it.nchunks;
     /* messages: the distinct (round, src, dst) of the chunks */
     if (radix64(chunks, nchunks, 63) < 0) goto done;
     Py_ssize_t messages = 0;
@@ -526,7 +574,7 @@ done:
         free(tpl);
     }
     if (ranks) for (Py_ssize_t i = 0; i < ninst; i++) free(ranks[i]);
-    free(ranks); free(nrk); free(tid); free(off); free(sizes); free(allranks); free(map); free(keys); free(rounds_of);
+    free(ranks); free(nrk); free(tid); free(off); free(sizes); free(allranks); free(map); free(rounds_of);
     free(chunks);
     fill_free(&f);
     Py_XDECREF(ftpl);

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from itertools import groupby, repeat
+from operator import attrgetter, itemgetter
 
 from ..box import Box, unchecked_box
 from ..layout import Buffer, Layout, Piece, TensorMeta
@@ -36,22 +38,37 @@ def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict |
     out: dict = defaultdict(lambda: {"src": [], "dst": []})
     group_of: dict[int, object] = {}        # id(buffer) -> its group
     profiles: dict[tuple, dict] = {}
+    # a rank's buffer names in insertion order -> (the same sorted, interned; the permutation):
+    # ranks built alike list their names alike, so each order is sorted once, not once per rank
+    orders: dict[tuple, tuple] = {}
+    canon: dict[tuple, tuple] = {}
     bad = object()
     gget = group_of.get
+    pieces_of, tensor_of, first_of = attrgetter("pieces"), attrgetter("tensor"), itemgetter(0)
     for side, lay in (("src", src), ("dst", dst)):
         for r in sorted(lay.buffers):
             bufs = lay.buffers[r]
-            names = sorted(bufs)
-            vals = list(map(bufs.__getitem__, names))
+            ins = tuple(bufs)
+            got = orders.get(ins)
+            if got is None:
+                perm = sorted(range(len(ins)), key=ins.__getitem__)
+                srt = tuple(map(ins.__getitem__, perm))
+                got = orders[ins] = (canon.setdefault(srt, srt), perm)
+            names, perm = got
+            vals = list(bufs.values())
+            vals = list(map(vals.__getitem__, perm))
             ids = tuple(map(id, vals))
-            key = (tuple(names), ids)
+            key = (id(names), ids)      # names interned: one object per name list
             prof = profiles.get(key)
             if prof is None:
-                gs = [gget(i, bad) for i in ids]
+                gs = list(map(gget, ids, repeat(bad, len(ids))))
                 if bad in gs:           # buffers not seen before: the one layer number of their pieces
                     new = [k for k, g in enumerate(gs) if g is bad]
-                    pcs = [vals[k].pieces for k in new]
-                    got = [layer_of[ps[0].tensor] if ps else None for ps in pcs]
+                    pcs = list(map(pieces_of, map(vals.__getitem__, new)))
+                    if all(pcs):
+                        got = list(map(layer_of.__getitem__, map(tensor_of, map(first_of, pcs))))
+                    else:
+                        got = [layer_of[ps[0].tensor] if ps else None for ps in pcs]
                     for ps, g in zip(pcs, got):
                         if len(ps) > 1:
                             for p in ps:
@@ -59,19 +76,23 @@ def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict |
                                     return None
                     for k, g in zip(new, got):
                         gs[k] = g
-                    group_of.update(zip([ids[k] for k in new], got))
-                first = gs[0] if gs else None
-                if gs.count(first) == len(gs):      # one group: no split
-                    mine = {first: range(len(gs))} if gs else {}
-                else:
-                    mine = {}
-                    for k, g in enumerate(gs):
-                        at = mine.get(g)
-                        if at is None:
-                            at = mine[g] = []
-                        at.append(k)
-                prof = profiles[key] = {g: (tuple(map(names.__getitem__, at)), tuple(map(vals.__getitem__, at)),
-                                            tuple(map(ids.__getitem__, at))) for g, at in mine.items()}
+                    group_of.update(zip(map(ids.__getitem__, new), got))
+                # a group's names share their "layers.<n>." prefix: runs in name order, mostly one
+                spans: dict = {}
+                a = 0
+                for g, run in groupby(gs):
+                    b = a + len(list(run))
+                    at = spans.get(g)
+                    if at is None:
+                        spans[g] = [(a, b)]
+                    else:
+                        at.append((a, b))
+                    a = b
+                vals = tuple(vals)
+                prof = profiles[key] = {g: (names[at[0][0]:at[0][1]], vals[at[0][0]:at[0][1]], ids[at[0][0]:at[0][1]])
+                                        if len(at) == 1 else
+                                        tuple(sum((seq[a:b] for a, b in at), ()) for seq in (names, vals, ids))
+                                        for g, at in spans.items()}
             for g, items in prof.items():
                 out[g][side].append((r, items))
     return out
