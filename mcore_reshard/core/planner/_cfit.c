@@ -278,15 +278,15 @@ static int bitlen(int64_t v) {      /* bits to hold 0 .. v - 1 (at least 1) */
 #define RADIX_BITS 16
 #define RADIX_SIZE (1 << RADIX_BITS)
 
-/* LSD radix sorts of n keys on their ``bits`` lowest bits, RADIX_BITS a pass; a pass that all
- * keys share is skipped. */
+/* Stable LSD radix sorts of n keys by their bits [lo, bits), RADIX_BITS a pass (keys equal there
+ * keep their order); a pass that all keys share is skipped. */
 #define RADIX_SORT(name, T)                                                                     \
-static int name(T *a, Py_ssize_t n, int bits) {                                                 \
+static int name(T *a, Py_ssize_t n, int lo, int bits) {                                         \
     if (n < 2) return 0;                                                                        \
     T *tmp = malloc((size_t)n * sizeof(T)), *src = a, *dst = tmp;                               \
     size_t *count = malloc(RADIX_SIZE * sizeof(size_t));                                        \
     if (!tmp || !count) { free(tmp); free(count); PyErr_NoMemory(); return -1; }                \
-    for (int shift = 0; shift < bits; shift += RADIX_BITS) {                                    \
+    for (int shift = lo; shift < bits; shift += RADIX_BITS) {                                   \
         memset(count, 0, RADIX_SIZE * sizeof(size_t));                                          \
         for (Py_ssize_t i = 0; i < n; i++) count[(size_t)(src[i] >> shift) & (RADIX_SIZE - 1)]++; \
         if (count[(size_t)(src[0] >> shift) & (RADIX_SIZE - 1)] == (size_t)n) continue;         \
@@ -350,7 +350,8 @@ static int name(Items *it) {                                                    
                         | (T)it->map[rk[t->d[q]]] << it->db | base | (T)q;                      \
         }                                                                                       \
     }                                                                                           \
-    if (SORT(keys, it->items, it->total) < 0) { free(keys); return -1; }                        \
+    /* made in (instance, message) order: a stable sort by the bits above them suffices */    \
+    if (SORT(keys, it->items, it->db, it->total) < 0) { free(keys); return -1; }                \
     const T qmask = ((T)1 << it->qb) - 1, imask = ((T)1 << it->ib) - 1,                        \
             rmask = ((T)1 << it->rb) - 1, lmask = ((T)1 << it->lb) - 1;                         \
     int status = 0;                                                                             \
@@ -372,7 +373,10 @@ static int name(Items *it) {                                                    
                 status = -1;                                                                    \
                 goto out;                                                                       \
             }                                                                                   \
-            if (add_chunk(it, (uint64_t)k << 42 | (uint64_t)a << 21 | (uint64_t)b) < 0) { status = -1; goto out; } \
+            if (add_chunk(it, (uint64_t)k << (2 * it->rb) | (uint64_t)a << it->rb | (uint64_t)b) < 0) { \
+                status = -1;                                                                    \
+                goto out;                                                                       \
+            }                                                                                   \
             for (Py_ssize_t x = j; x < j + got; x++)                                            \
                 it->rounds_of[it->off[(Py_ssize_t)((keys[x] >> it->qb) & imask)]                \
                               + (Py_ssize_t)(keys[x] & qmask)] = (int32_t)k;                    \
@@ -515,7 +519,7 @@ static PyObject *place(PyObject *self, PyObject *args) {
     if (status == 1) { result = Py_None; Py_INCREF(result); goto done; }
     Py_ssize_t nchunks = it.nchunks;
     /* messages: the distinct (round, src, dst) of the chunks */
-    if (radix64(chunks, nchunks, 63) < 0) goto done;
+    if (radix64(chunks, nchunks, 0, 2 * rb + bitlen(f.rounds)) < 0) goto done;
     Py_ssize_t messages = 0;
     for (Py_ssize_t c = 0; c < nchunks; c++)
         if (c == 0 || chunks[c] != chunks[c - 1]) messages++;
