@@ -196,3 +196,38 @@ def test_whole_plans_hash_the_same_with_and_without_the_kernel(monkeypatch, colo
     assert got.rounds == want.rounds > 1
     assert got.stats == want.stats
     assert got.hash == want.hash
+
+
+copies_st = st.lists(st.tuples(st.integers(1, 200), st.integers(0, 5), st.integers(0, 5)).filter(lambda c: c[0] != 0),
+                     min_size=0, max_size=150)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(raw=copies_st, budget=st.integers(208, 400), split=st.booleans())
+def test_fit_copies_places_as_the_python_first_fit(raw, budget, split):
+    # copy tuples (-bytes, src, dst, sequence number), split (sorted first) or not (grouped by
+    # (-bytes, src, dst) in sequence order): the same (round, src, dst) -> copies, in the same order
+    from mcore_reshard.core.planner import rounds as R
+    from mcore_reshard.core.planner.senders import Copies
+
+    def make():
+        out = Copies((-n, s, d, i) for i, (n, s, d) in enumerate(raw))
+        out.split = split
+        return out
+    got, _, rounds = R._first_fit_runs(make(), budget)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fastfit, "cfit", None)
+        want, used, want_rounds = R._first_fit_runs(make(), budget)
+    assert rounds == want_rounds
+    assert list(got) == sorted(want) and {k: list(v) for k, v in got.items()} == {k: list(v) for k, v in want.items()}
+
+
+@needs_c
+def test_fit_copies_refuses_what_it_cannot_place():
+    for copies in ([(-300, 0, 1)], [(0, 0, 1)], [(5, 0, 1)], [(-8, -1, 1)], [(-8, 0)], ["x"]):
+        with pytest.raises(fastfit.FALLBACK):
+            ck.fit_copies(copies, 256, 16)
+    with pytest.raises(TypeError):
+        ck.fit_copies([(-8, 0, "1")], 256, 16)
+    assert ck.fit_copies([], 256, 16) == (0, [], [])

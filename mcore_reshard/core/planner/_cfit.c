@@ -167,34 +167,25 @@ PyDoc_STRVAR(fit_runs_doc,
 "src[i] to rank dst[i]), first fit in the order given; per run its chunks in order (a round and\n"
 "how many of the run's items went there), flat over all runs.");
 
-static PyObject *fit_runs(PyObject *self, PyObject *args) {
-    PyObject *os, *od, *on, *oc;
-    long long budget;
-    if (!PyArg_ParseTuple(args, "OOOOL", &os, &od, &on, &oc, &budget)) return NULL;
-    Py_ssize_t ns, nd, nn, nc;
-    int64_t *s = NULL, *d = NULL, *nb = NULL, *cnt = NULL, *sizes = NULL, *all = NULL;
+/* Runs (run i: cnt[i] items of nb[i] bytes, 0 < nb <= budget, from rank s[i] to rank d[i], ranks
+ * in [0, 2**24)) first fit in order: *chunks chunks, per run in order (round ck[c], how many cc[c]),
+ * *rounds the rounds used.  The arrays ck, cc are allocated here (the caller frees them).
+ * Returns 0, or -1 with an error set. */
+static int fit_run_arrays(const int64_t *s, const int64_t *d, const int64_t *nb, const int64_t *cnt, Py_ssize_t ns,
+                          int64_t budget, int64_t **ck_out, int64_t **cc_out, Py_ssize_t *chunks_out,
+                          Py_ssize_t *rounds) {
+    int64_t *sizes = NULL, *all = NULL, *ck = NULL, *cc = NULL;
     int32_t *map = NULL, *lvl = NULL;
-    int64_t *ck = NULL, *cc = NULL;
-    PyObject *result = NULL;
+    int status = -1;
     Fill f;
     memset(&f, 0, sizeof(f));
-    if (!(s = as_int64s(os, &ns, "src")) || !(d = as_int64s(od, &nd, "dst")) || !(nb = as_int64s(on, &nn, "nbytes"))
-        || !(cnt = as_int64s(oc, &nc, "count")))
-        goto done;
-    if (nd != ns || nn != ns || nc != ns) {
-        PyErr_SetString(PyExc_ValueError, "fit_runs: src, dst, nbytes and count differ in length");
-        goto done;
-    }
     if (budget <= 0) { PyErr_SetString(PyExc_ValueError, "fit_runs: budget must be positive"); goto done; }
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < ns; i++) {
+    for (Py_ssize_t i = 0; i < ns; i++)
         if (nb[i] <= 0 || nb[i] > budget || cnt[i] < 0) {
             PyErr_Format(PyExc_ValueError, "fit_runs: run %zd has %lld bytes x %lld (budget %lld)", i,
-                         (long long)nb[i], (long long)cnt[i], budget);
+                         (long long)nb[i], (long long)cnt[i], (long long)budget);
             goto done;
         }
-        total += cnt[i];
-    }
     /* dense ranks */
     all = malloc((size_t)(2 * ns + 1) * sizeof(int64_t));
     if (!all) { PyErr_NoMemory(); goto done; }
@@ -243,6 +234,33 @@ static PyObject *fit_runs(PyObject *self, PyObject *args) {
             left -= got;
         }
     }
+    *ck_out = ck;
+    *cc_out = cc;
+    ck = cc = NULL;
+    *chunks_out = chunks;
+    *rounds = f.rounds;
+    status = 0;
+done:
+    free(sizes); free(all); free(map); free(lvl); free(ck); free(cc);
+    fill_free(&f);
+    return status;
+}
+
+static PyObject *fit_runs(PyObject *self, PyObject *args) {
+    PyObject *os, *od, *on, *oc;
+    long long budget;
+    if (!PyArg_ParseTuple(args, "OOOOL", &os, &od, &on, &oc, &budget)) return NULL;
+    Py_ssize_t ns, nd, nn, nc, chunks, rounds;
+    int64_t *s = NULL, *d = NULL, *nb = NULL, *cnt = NULL, *ck = NULL, *cc = NULL;
+    PyObject *result = NULL;
+    if (!(s = as_int64s(os, &ns, "src")) || !(d = as_int64s(od, &nd, "dst")) || !(nb = as_int64s(on, &nn, "nbytes"))
+        || !(cnt = as_int64s(oc, &nc, "count")))
+        goto done;
+    if (nd != ns || nn != ns || nc != ns) {
+        PyErr_SetString(PyExc_ValueError, "fit_runs: src, dst, nbytes and count differ in length");
+        goto done;
+    }
+    if (fit_run_arrays(s, d, nb, cnt, ns, budget, &ck, &cc, &chunks, &rounds) < 0) goto done;
     PyObject *lk = PyList_New(chunks), *lc = PyList_New(chunks);
     if (!lk || !lc) { Py_XDECREF(lk); Py_XDECREF(lc); goto done; }
     for (Py_ssize_t i = 0; i < chunks; i++) {
@@ -251,12 +269,200 @@ static PyObject *fit_runs(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(lk, i, x);
         PyList_SET_ITEM(lc, i, y);
     }
-    result = Py_BuildValue("nNN", f.rounds, lk, lc);
-    (void)total;
+    result = Py_BuildValue("nNN", rounds, lk, lc);
 done:
-    free(s); free(d); free(nb); free(cnt); free(sizes); free(all); free(map); free(lvl); free(ck); free(cc);
-    fill_free(&f);
+    free(s); free(d); free(nb); free(cnt); free(ck); free(cc);
     return result;
+}
+
+/* ------------------------------------------------------------------ fit_copies */
+
+typedef struct { int64_t c0, s, d; Py_ssize_t i; } CopyKey;         /* (-bytes, src, dst, position) */
+typedef struct { int64_t k, s, d; Py_ssize_t start, n, i; } Chunk;  /* a run's items [start, start + n) */
+
+static int cmp_copy(const void *a, const void *b) {
+    const CopyKey *x = a, *y = b;
+    if (x->c0 != y->c0) return x->c0 < y->c0 ? -1 : 1;
+    if (x->s != y->s) return x->s < y->s ? -1 : 1;
+    if (x->d != y->d) return x->d < y->d ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+static int cmp_chunk(const void *a, const void *b) {
+    const Chunk *x = a, *y = b;
+    if (x->k != y->k) return x->k < y->k ? -1 : 1;
+    if (x->s != y->s) return x->s < y->s ? -1 : 1;
+    if (x->d != y->d) return x->d < y->d ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+PyDoc_STRVAR(fit_copies_doc,
+"fit_copies(copies, budget, align) -> (rounds, keys, groups)\n\n"
+"rounds._first_fit_runs on copy tuples (-bytes, src, dst, ...): stably sorted by (-bytes, src, dst),\n"
+"runs of equal ones first fit (each align-rounded bytes, at most budget); ``keys`` the (round, src,\n"
+"dst) with copies, sorted, and ``groups`` their copies (the tuples given, by run, then in order).");
+
+static PyObject *fit_copies(PyObject *self, PyObject *args) {
+    PyObject *ocopies;
+    long long budget, align;
+    if (!PyArg_ParseTuple(args, "OLL", &ocopies, &budget, &align)) return NULL;
+    PyObject *result = NULL, *fast = NULL, *keys = NULL, *groups = NULL;
+    CopyKey *ord = NULL;
+    Chunk *ch = NULL;
+    int64_t *s = NULL, *d = NULL, *nb = NULL, *cnt = NULL, *ck = NULL, *cc = NULL;
+    Py_ssize_t *start = NULL;
+    if (align <= 0) { PyErr_SetString(PyExc_ValueError, "fit_copies: align must be positive"); return NULL; }
+    if (!(fast = PySequence_Fast(ocopies, "copies"))) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    ord = malloc((n + 1) * sizeof(CopyKey));
+    if (!ord) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = items[i];
+        if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) < 3) {
+            PyErr_Format(PyExc_ValueError, "fit_copies: copy %zd is not a tuple of (-bytes, src, dst, ...)", i);
+            goto done;
+        }
+        long long v[3];
+        for (int f = 0; f < 3; f++) {
+            v[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(c, f));
+            if (v[f] == -1 && PyErr_Occurred()) goto done;
+        }
+        if (v[0] >= 0 || v[0] < -budget) {
+            PyErr_Format(PyExc_ValueError, "fit_copies: copy %zd has %lld bytes (budget %lld)", i, -v[0], budget);
+            goto done;
+        }
+        ord[i].c0 = v[0];
+        ord[i].s = v[1];
+        ord[i].d = v[2];
+        ord[i].i = i;
+    }
+    qsort(ord, n, sizeof(CopyKey), cmp_copy);       /* stable: ties by position */
+    /* runs */
+    Py_ssize_t nr = 0;
+    s = malloc((n + 1) * sizeof(int64_t)); d = malloc((n + 1) * sizeof(int64_t));
+    nb = malloc((n + 1) * sizeof(int64_t)); cnt = malloc((n + 1) * sizeof(int64_t));
+    start = malloc((n + 1) * sizeof(Py_ssize_t));
+    if (!s || !d || !nb || !cnt || !start) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (nr && ord[i].c0 == ord[i - 1].c0 && ord[i].s == ord[i - 1].s && ord[i].d == ord[i - 1].d) {
+            cnt[nr - 1]++;
+            continue;
+        }
+        int64_t bytes = -ord[i].c0;
+        s[nr] = ord[i].s;
+        d[nr] = ord[i].d;
+        nb[nr] = (bytes + align - 1) / align * align;
+        cnt[nr] = 1;
+        start[nr] = i;
+        nr++;
+    }
+    Py_ssize_t chunks, rounds;
+    if (fit_run_arrays(s, d, nb, cnt, nr, budget, &ck, &cc, &chunks, &rounds) < 0) goto done;
+    ch = malloc((chunks + 1) * sizeof(Chunk));
+    if (!ch) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t c = 0;
+    for (Py_ssize_t r = 0; r < nr; r++) {
+        Py_ssize_t at = start[r], left = cnt[r];
+        while (left > 0) {
+            ch[c].k = ck[c]; ch[c].s = s[r]; ch[c].d = d[r]; ch[c].start = at; ch[c].n = cc[c]; ch[c].i = c;
+            at += cc[c];
+            left -= cc[c];
+            c++;
+        }
+    }
+    qsort(ch, chunks, sizeof(Chunk), cmp_chunk);
+    Py_ssize_t ngroups = 0;
+    for (Py_ssize_t x = 0; x < chunks; x++)
+        if (!x || ch[x].k != ch[x - 1].k || ch[x].s != ch[x - 1].s || ch[x].d != ch[x - 1].d) ngroups++;
+    if (!(keys = PyList_New(ngroups)) || !(groups = PyList_New(ngroups))) goto done;
+    Py_ssize_t g = 0, x = 0;
+    while (x < chunks) {
+        Py_ssize_t end = x + 1, total = ch[x].n;
+        while (end < chunks && ch[end].k == ch[x].k && ch[end].s == ch[x].s && ch[end].d == ch[x].d)
+            total += ch[end++].n;
+        PyObject *key = Py_BuildValue("(LLL)", (long long)ch[x].k, (long long)ch[x].s, (long long)ch[x].d);
+        PyObject *list = PyList_New(total);
+        if (!key || !list) { Py_XDECREF(key); Py_XDECREF(list); goto done; }
+        Py_ssize_t y = 0;
+        for (Py_ssize_t z = x; z < end; z++)
+            for (Py_ssize_t q = ch[z].start; q < ch[z].start + ch[z].n; q++) {
+                PyObject *o = items[ord[q].i];
+                Py_INCREF(o);
+                PyList_SET_ITEM(list, y++, o);
+            }
+        PyList_SET_ITEM(keys, g, key);
+        PyList_SET_ITEM(groups, g, list);
+        g++;
+        x = end;
+    }
+    result = Py_BuildValue("nOO", rounds, keys, groups);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(groups);
+    Py_XDECREF(fast);
+    free(ord); free(ch); free(s); free(d); free(nb); free(cnt); free(start); free(ck); free(cc);
+    return result;
+}
+
+/* ------------------------------------------------------------------ entries */
+
+PyDoc_STRVAR(entries_doc,
+"entries(group, src, dst, cls, align) -> (entries, nbytes, payload)\n\n"
+"A message's entries from its copy tuples (-bytes, src, dst, tensor, offsets, sizes, seq, src buffer,\n"
+"src local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box), in order: each\n"
+"cls(tensor, Box, src, src buffer, src local Box, dst, dst buffer, dst local Box, bytes, offset)\n"
+"(cls a 10-field tuple type: plan.Copy), offsets aligned to ``align``; the message's bytes (the\n"
+"last offset past its entry) and payload (the bytes without alignment).");
+
+static PyObject *entries(PyObject *self, PyObject *args) {
+    PyObject *ogroup, *src, *dst, *cls;
+    long long align;
+    if (!PyArg_ParseTuple(args, "OOOOL", &ogroup, &src, &dst, &cls, &align)) return NULL;
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) || align <= 0) {
+        PyErr_SetString(PyExc_ValueError, "entries: cls must be a tuple type and align positive");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(ogroup, "group");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyTuple_New(n);
+    long long off = 0, payload = 0;
+    if (!out) goto fail;
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    static const int take[8] = {3, 12, -1, 7, 8, -2, 9, 13};     /* copy fields; -1: src, -2: dst */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = items[i];
+        if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) < 14) {
+            PyErr_Format(PyExc_ValueError, "entries: copy %zd is not a 14-field tuple", i);
+            goto fail;
+        }
+        long long nb = PyLong_AsLongLong(PyTuple_GET_ITEM(c, 0));
+        if (nb == -1 && PyErr_Occurred()) goto fail;
+        nb = -nb;
+        if (nb < 0) { PyErr_Format(PyExc_ValueError, "entries: copy %zd has %lld bytes", i, nb); goto fail; }
+        PyObject *e = tp->tp_alloc(tp, 10);
+        if (!e) goto fail;
+        for (int f = 0; f < 8; f++) {
+            PyObject *v = take[f] == -1 ? src : take[f] == -2 ? dst : PyTuple_GET_ITEM(c, take[f]);
+            Py_INCREF(v);
+            PyTuple_SET_ITEM(e, f, v);
+        }
+        PyObject *vb = PyLong_FromLongLong(nb), *vo = PyLong_FromLongLong(off);
+        if (!vb || !vo) { Py_XDECREF(vb); Py_XDECREF(vo); Py_DECREF(e); goto fail; }
+        PyTuple_SET_ITEM(e, 8, vb);
+        PyTuple_SET_ITEM(e, 9, vo);
+        PyTuple_SET_ITEM(out, i, e);
+        off += (nb + align - 1) / align * align;
+        payload += nb;
+    }
+    Py_DECREF(fast);
+    return Py_BuildValue("NLL", out, off, payload);
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(fast);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ place (templated) */
@@ -588,6 +794,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"fit_runs", fit_runs, METH_VARARGS, fit_runs_doc},
+    {"fit_copies", fit_copies, METH_VARARGS, fit_copies_doc},
+    {"entries", entries, METH_VARARGS, entries_doc},
     {"place", place, METH_VARARGS, place_doc},
     {NULL, NULL, 0, NULL},
 };

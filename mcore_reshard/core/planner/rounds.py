@@ -135,20 +135,25 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     recv: dict[int, int] = defaultdict(int)
     stage_send: dict[tuple[int, int], int] = defaultdict(int)
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
+    ck = fastfit.cfit
     for key in sorted(placed):         # (round, src, dst), then (round, src, dst, flag): _FLAGS
         k, s, d = key[:3]
         group = placed[key]
         if len(group) > 1:
             group.sort(key=entry_key)
-        entries, off, payload = [], 0, 0
-        add = entries.append
-        for c in group:
-            nb = -c[0]
-            add(_tuple_new(Copy, (c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off)))     # _copy(...) inlined
-            off += (nb + ALIGN - 1) // ALIGN * ALIGN
-            payload += nb
+        if ck is not None:              # the same entries, made in C
+            entries, off, payload = ck.entries(group, s, d, Copy, ALIGN)
+        else:
+            entries, off, payload = [], 0, 0
+            add = entries.append
+            for c in group:
+                nb = -c[0]
+                add(_tuple_new(Copy, (c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off)))     # _copy(...) inlined
+                off += (nb + ALIGN - 1) // ALIGN * ALIGN
+                payload += nb
+            entries = tuple(entries)
         m = _new(Message)               # as Message(...) without the frozen dataclass __init__
-        md = {"round": k, "src": s, "dst": d, "nbytes": off, "entries": tuple(entries)}
+        md = {"round": k, "src": s, "dst": d, "nbytes": off, "entries": entries}
         if len(key) > 3:
             md.update(_FLAGS[key[3]])
         _setattr(m, "__dict__", md)
@@ -164,14 +169,24 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
 def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]] | None, int]:
     """:func:`_pack_rounds`' first fit of flat plans: (placed: (round, src, dst) -> copies, per-rank
     staged bytes per round (None where the C kernel placed them: flat plans do not read it), rounds)."""
+    split = getattr(copies, "split", True)
+    if split:
+        copies.sort()                   # in place: the caller hands the list over
+    ck = fastfit.cfit
+    if ck is not None:                  # the same rounds by the C kernel (no per-rank usage kept)
+        try:
+            rounds, keys, groups = ck.fit_copies(copies, budget, ALIGN)
+        except fastfit.FALLBACK:
+            pass
+        else:
+            return dict(zip(keys, groups)), None, rounds
     placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
     fill = RoundFill(budget)
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
     # the lowest round where both ranks have room until one of them is full, then the next such
     # round (lower rounds never regain room), so a run is placed round by round, as many at once
     # as fit -- the same rounds as one copy at a time
-    if getattr(copies, "split", True):
-        copies.sort()                   # in place: the caller hands the list over
+    if split:
         runs = _runs(copies)
     else:                               # unsplit, in sequence order (senders.Copies): grouped, not sorted
         groups: dict[tuple, list] = {}
@@ -184,26 +199,6 @@ def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, l
                 g.append(c)
         runs = [groups[k3] for k3 in sorted(groups)]
         del groups
-    ck = fastfit.cfit
-    if ck is not None:                  # the same rounds by the C kernel (no per-rank usage kept)
-        try:
-            rounds, ks, cs = ck.fit_runs([r[0][1] for r in runs], [r[0][2] for r in runs],
-                                         [(-r[0][0] + ALIGN - 1) // ALIGN * ALIGN for r in runs],
-                                         [len(r) for r in runs], budget)
-        except fastfit.FALLBACK:
-            pass
-        else:
-            at = 0
-            for run in runs:
-                c = run[0]
-                s, d = c[1], c[2]
-                j, end = 0, len(run)
-                while j < end:
-                    k, cnt = ks[at], cs[at]
-                    at += 1
-                    placed[(k, s, d)].extend(run[j:j + cnt] if j or cnt < end else run)
-                    j += cnt
-            return placed, None, rounds
     for run in runs:
         c = run[0]
         s, d = c[1], c[2]
