@@ -231,3 +231,44 @@ def test_fit_copies_refuses_what_it_cannot_place():
     with pytest.raises(TypeError):
         ck.fit_copies([(-8, 0, "1")], 256, 16)
     assert ck.fit_copies([], 256, 16) == (0, [], [])
+
+
+ints_st = st.integers(-3, 1 << 25) | st.sampled_from([0, 1, 2, 3, (1 << 24) - 1, 1 << 24, (1 << 63) - 1])
+
+
+@needs_c
+@settings(max_examples=400, deadline=None)
+@given(tpls=st.lists(st.tuples(st.lists(ints_st, max_size=4), st.lists(ints_st, max_size=4),
+                               st.lists(ints_st, max_size=4), st.lists(ints_st, max_size=4), ints_st), max_size=3),
+       insts=st.lists(st.tuples(ints_st, st.lists(ints_st, max_size=5)), max_size=4),
+       sizes=st.lists(ints_st, max_size=4), budget=ints_st, waves=st.booleans(), stop=ints_st, span=ints_st)
+def test_the_kernel_refuses_garbage_and_never_crashes(tpls, insts, sizes, budget, waves, stop, span):
+    # what reaches the kernel is the planner's own data, but a refusal must be an exception the
+    # caller falls back on (or a plain TypeError / OverflowError of the arguments), never a crash,
+    # a hang or a round past what it says; a result must be a first fit within the budget
+    try:
+        got = ck.place(tpls, insts, sizes, budget, waves, stop, span)
+    except (ValueError, OverflowError, MemoryError, TypeError):
+        return
+    if got is None:
+        return
+    rows, rounds, messages, ranks, sent, received = got
+    used = array("q", sent)
+    recv = array("q", received)
+    assert len(used) == len(recv) == rounds * len(ranks)
+    assert all(0 <= u + v <= budget for u, v in zip(used, recv))
+    assert all(0 <= k < rounds for row in rows for k in row)
+    assert sum(map(len, rows)) >= messages * (messages > 0)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.tuples(ints_st, ints_st, ints_st, ints_st), max_size=6), budget=ints_st, align=ints_st)
+def test_fit_runs_and_copies_refuse_garbage(runs, budget, align):
+    for call in (lambda: ck.fit_runs(*zip(*runs), budget) if runs else ck.fit_runs([], [], [], [], budget),
+                 lambda: ck.fit_copies([(-n, s, d) for n, s, d, _ in runs], budget, align)):
+        try:
+            got = call()
+        except (ValueError, OverflowError, MemoryError, TypeError):
+            continue
+        assert got[0] >= 0
