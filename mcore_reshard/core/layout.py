@@ -149,6 +149,23 @@ class Buffer:
                       tuple(Piece(t, Box.from_json(b), Box.from_json(l)) for t, b, l in obj["pieces"]))
 
 
+def _ints(xs) -> tuple:
+    out = tuple(xs)
+    if not all(type(x) is int for x in out):
+        raise TypeError("not a list of ints")
+    return out
+
+
+def _json_key(obj) -> tuple:
+    """A hashable key of a buffer's JSON form: name, shape, dtype, pieces, every number an int
+    (TypeError, KeyError or ValueError otherwise: such a buffer is not shared, and
+    :meth:`Buffer.from_json` says what is wrong with it)."""
+    if type(obj["name"]) is not str or type(obj["dtype"]) is not str:
+        raise TypeError("name and dtype must be strings")
+    return (obj["name"], _ints(obj["shape"]), obj["dtype"],
+            tuple((t, _ints(b[0]), _ints(b[1]), _ints(l[0]), _ints(l[1])) for t, b, l in obj["pieces"]))
+
+
 def stacked(name: str, dtype: str, parts: Sequence[tuple[str, Box]], dim: int = 0) -> Buffer:
     """A buffer made of ``parts`` (tensor, global box) laid one after another along ``dim``.
 
@@ -212,10 +229,18 @@ class Layout:
         return meta
 
     def add_buffer(self, rank: int, buffer: Buffer) -> None:
+        """``buffer`` on ``rank``.  The same Buffer object may sit on several ranks (replicas:
+        builders share them, which also lets the planner recognise them by identity); it is
+        checked against the tensors once."""
         rank_bufs = self.buffers.setdefault(int(rank), {})
         if buffer.name in rank_bufs:
             raise LayoutError(f"rank {rank} has two buffers named {buffer.name}")
-        self._check_buffer(rank, buffer)
+        checked = self.__dict__.get("_checked")
+        if checked is None:
+            checked = self.__dict__["_checked"] = {}    # id -> the buffer itself (ids of live objects only)
+        if checked.get(id(buffer)) is not buffer:
+            self._check_buffer(rank, buffer)
+            checked[id(buffer)] = buffer
         rank_bufs[buffer.name] = buffer
 
     def add_sharded(self, name: str, shape: Sequence[int], dtype: str, mesh: Mesh,
@@ -272,12 +297,25 @@ class Layout:
 
     @staticmethod
     def from_json(obj: Mapping) -> "Layout":
+        """The layout of :meth:`to_json`; buffers equal in JSON become one shared Buffer object
+        (replicas: built and checked once, recognised by identity when planning)."""
         lay = Layout()
         for n, (shape, dtype) in obj["tensors"].items():
             lay.add_tensor(n, shape, dtype)
+        seen: dict = {}
         for r, bufs in obj["buffers"].items():
             for b in bufs:
-                lay.add_buffer(int(r), Buffer.from_json(b))
+                try:
+                    key = _json_key(b)
+                    hash(key)
+                except (TypeError, KeyError, ValueError, IndexError):   # Buffer.from_json says what is wrong
+                    key = None
+                buf = seen.get(key) if key is not None else None
+                if buf is None:
+                    buf = Buffer.from_json(b)
+                    if key is not None:
+                        seen[key] = buf
+                lay.add_buffer(int(r), buf)
         return lay
 
     def offset_ranks(self, delta: int) -> "Layout":

@@ -83,38 +83,59 @@ def stage_layers(num_layers: int, sizes: ParallelSizes) -> list[list[int]]:
 
 
 class _Builder:
+    """Adds the buffers of a layout rank by rank; a buffer is made once per distinct set of what it
+    depends on (name, tensor, split, block, dtype) and the same object shared by every rank that
+    holds it (data-parallel replicas), checked once."""
+
     def __init__(self, cfg, sizes: ParallelSizes, dtype: str, norm_dtype: str, bias_dtype: str, rank_offset: int):
         self.cfg, self.sizes = cfg, sizes
         self.dtype, self.norm_dtype, self.bias_dtype = dtype, norm_dtype, bias_dtype
         self.m = megatron_meshes(sizes.world, sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp, sizes.order, rank_offset)
         self.lay = Layout()
+        self.made: dict[tuple, Buffer] = {}
 
     def tensor(self, name, shape, dtype):
-        self.lay.add_tensor(name, shape, dtype)
+        old = self.lay.tensors.get(name)
+        if old is None or old.shape != tuple(shape) or old.dtype != dtype:
+            self.lay.add_tensor(name, shape, dtype)
+
+    def add(self, rank, key: tuple, make) -> None:
+        """The buffer ``make()`` makes, made once per ``key`` (all it depends on), on ``rank``."""
+        buf = self.made.get(key)
+        if buf is None:
+            buf = self.made[key] = make()
+        self.lay.add_buffer(rank, buf)
 
     def whole(self, rank, buf, name, shape, dtype):
         self.tensor(name, shape, dtype)
-        self.lay.add_buffer(rank, Buffer(buf, tuple(shape), dtype, (Piece(name, Box.full(shape), Box.full(shape)),)))
+        self.add(rank, ("whole", buf, name, tuple(shape), dtype),
+                 lambda: Buffer(buf, tuple(shape), dtype, (Piece(name, Box.full(shape), Box.full(shape)),)))
 
     def rows(self, rank, buf, name, shape, parts, index, dim=0):
         """A tensor split in ``parts`` along ``dim``; this rank holds block ``index``."""
         self.tensor(name, shape, self.dtype)
-        off, n = split_range(shape[dim], parts, index, "exact")
-        offs = [0] * len(shape)
-        offs[dim] = off
-        sizes = list(shape)
-        sizes[dim] = n
-        box = Box(tuple(offs), tuple(sizes))
-        self.lay.add_buffer(rank, Buffer(buf, box.sizes, self.dtype, (Piece(name, box, Box.full(box.sizes)),)))
+
+        def make():
+            off, n = split_range(shape[dim], parts, index, "exact")
+            offs = [0] * len(shape)
+            offs[dim] = off
+            sizes = list(shape)
+            sizes[dim] = n
+            box = Box(tuple(offs), tuple(sizes))
+            return Buffer(buf, box.sizes, self.dtype, (Piece(name, box, Box.full(box.sizes)),))
+        self.add(rank, ("rows", buf, name, tuple(shape), parts, index, dim, self.dtype), make)
 
     def gate_up(self, rank, buf, gate, up, ffn, hidden, parts, index):
         """Megatron's linear_fc1: [gate_r; up_r] of two canonical [ffn, hidden] tensors."""
         for n in (gate, up):
             self.tensor(n, (ffn, hidden), self.dtype)
-        off, n = split_range(ffn, parts, index, "exact")
-        pieces = (Piece(gate, Box((off, 0), (n, hidden)), Box((0, 0), (n, hidden))),
-                  Piece(up, Box((off, 0), (n, hidden)), Box((n, 0), (n, hidden))))
-        self.lay.add_buffer(rank, Buffer(buf, (2 * n, hidden), self.dtype, pieces))
+
+        def make():
+            off, n = split_range(ffn, parts, index, "exact")
+            pieces = (Piece(gate, Box((off, 0), (n, hidden)), Box((0, 0), (n, hidden))),
+                      Piece(up, Box((off, 0), (n, hidden)), Box((n, 0), (n, hidden))))
+            return Buffer(buf, (2 * n, hidden), self.dtype, pieces)
+        self.add(rank, ("gate_up", buf, gate, up, ffn, hidden, parts, index, self.dtype), make)
 
 
 def megatron_layout(cfg: Any, sizes: ParallelSizes, family: str = "deepseek_v3", dtype: str = "float32",
@@ -192,7 +213,8 @@ def _layer(b: _Builder, r: int, c: dict, mp: str, hp: str, layer: int, family: s
             for n, start, rows in ((names[0], g * qpg * hd, qpg * hd), (names[1], g * hd, hd), (names[2], g * hd, hd)):
                 pieces.append(Piece(n, Box((start, 0), (rows, H)), Box((pos, 0), (rows, H))))
                 pos += rows
-        b.lay.add_buffer(r, Buffer(a + "linear_qkv.weight", (pos, H), b.dtype, tuple(pieces)))
+        b.add(r, ("qkv", a, tuple(pieces), pos, H, b.dtype),
+              lambda: Buffer(a + "linear_qkv.weight", (pos, H), b.dtype, tuple(pieces)))
         if family == "qwen3_moe":
             b.whole(r, a + "q_layernorm.weight", hp + "self_attn.q_norm.weight", (hd,), b.norm_dtype)
             b.whole(r, a + "k_layernorm.weight", hp + "self_attn.k_norm.weight", (hd,), b.norm_dtype)
@@ -219,10 +241,10 @@ def _layer(b: _Builder, r: int, c: dict, mp: str, hp: str, layer: int, family: s
     for j in range(e_n):
         e = e_off + j
         x = f"{m}experts.local_experts.{j}."
-        b.lay.add_buffer(r, Buffer(x + "linear_fc1.weight", (2 * i_n, H), b.dtype, (
+        b.add(r, ("fc1", x, gu, e, i_off, i_n, I, H, b.dtype), lambda: Buffer(x + "linear_fc1.weight", (2 * i_n, H), b.dtype, (
             Piece(gu, Box((e, i_off, 0), (1, i_n, H)), Box((0, 0), (i_n, H))),
             Piece(gu, Box((e, I + i_off, 0), (1, i_n, H)), Box((i_n, 0), (i_n, H))))))
-        b.lay.add_buffer(r, Buffer(x + "linear_fc2.weight", (H, i_n), b.dtype, (
+        b.add(r, ("fc2", x, dn, e, i_off, i_n, H, b.dtype), lambda: Buffer(x + "linear_fc2.weight", (H, i_n), b.dtype, (
             Piece(dn, Box((e, 0, i_off), (1, H, i_n)), Box((0, 0), (H, i_n))),)))
     shared = _get(cfg, "n_shared_experts", 0)
     if shared:

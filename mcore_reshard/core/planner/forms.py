@@ -42,6 +42,7 @@ def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict |
     # ranks built alike list their names alike, so each order is sorted once, not once per rank
     orders: dict[tuple, tuple] = {}
     canon: dict[tuple, tuple] = {}
+    shared: dict[tuple, tuple] = {}         # a group's buffer ids on a rank -> its (names, buffers, ids)
     bad = object()
     gget = group_of.get
     pieces_of, tensor_of, first_of = attrgetter("pieces"), attrgetter("tensor"), itemgetter(0)
@@ -89,10 +90,12 @@ def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict |
                         at.append((a, b))
                     a = b
                 vals = tuple(vals)
-                prof = profiles[key] = {g: (names[at[0][0]:at[0][1]], vals[at[0][0]:at[0][1]], ids[at[0][0]:at[0][1]])
-                                        if len(at) == 1 else
-                                        tuple(sum((seq[a:b] for a, b in at), ()) for seq in (names, vals, ids))
-                                        for g, at in spans.items()}
+                prof = profiles[key] = {}
+                for g, at in spans.items():
+                    items = ((names[at[0][0]:at[0][1]], vals[at[0][0]:at[0][1]], ids[at[0][0]:at[0][1]])
+                             if len(at) == 1 else tuple(sum((seq[a:b] for a, b in at), ()) for seq in (names, vals, ids)))
+                    # ranks holding the same buffers of a group share one tuple (rows are made per tuple)
+                    prof[g] = shared.setdefault(items[2], items)
             for g, items in prof.items():
                 out[g][side].append((r, items))
     return out
@@ -117,6 +120,16 @@ class _Forms:
         self.fids: dict[tuple, int] = {}    # form -> form id
         self.forms: list[tuple] = []        # form id -> (shape, dtype, canonical pieces)
         self.names: dict[int | None, dict[str, str]] = {}     # n -> name -> canonical name
+        self.row_tensors: dict[int, list[str]] = {}         # row id -> canonical names of its tensors
+
+    def tensors(self, rid: int, items: tuple) -> list[str]:
+        """The canonical names of the tensors row ``rid`` holds pieces of (``items``: a row with that
+        id), made once per row id."""
+        got = self.row_tensors.get(rid)
+        if got is None:
+            tc = self.tcanon
+            got = self.row_tensors[rid] = sorted({tc[p.tensor] for buf in items[1] for p in buf.pieces})
+        return got
 
     def form(self, buf: Buffer) -> int:
         tc = self.tcanon
@@ -179,13 +192,9 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
                 if n is not None:
                     break
         nums.append(n)
-    ranks = sorted({r for side in ("src", "dst") for r, _ in members[side]})
-    if span is not None and ranks:
-        base = min((r for r, _ in members["src"]), default=ranks[0])
-        ranks.sort(key=lambda r: (r - base) % span)
+    ranks = _rank_order(members, span)
     idx = {r: i for i, r in enumerate(ranks)}
     form = []
-    tcanon = forms.tcanon
     for side, lay, n in (("src", src, nums[1]), ("dst", dst, nums[2])):
         rows = []
         names: set[str] = set()
@@ -194,13 +203,30 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
             rid = forms.row(items, g, n)
             if rid not in seen:         # equal rows of one group hold the same tensors
                 seen.add(rid)
-                names.update([p.tensor for buf in items[1] for p in buf.pieces])
+                names.update(forms.tensors(rid, items))
             rows.append((idx[r], rid))
         tm = lay.tensors
-        metas = tuple(sorted((tcanon[t], tm[t].shape, tm[t].dtype) for t in names))
+        # names are canonical (the group's layer number g marked): the real name puts g back
+        metas = tuple(sorted((t, m.shape, m.dtype) for t, m in
+                             ((t, tm[t if g is None else t.replace(MARK, str(g))]) for t in names)))
         rows.sort()                 # index order (rank order unless rotated)
         form.append((tuple(rows), metas))
     return tuple(form), tuple(nums), tuple(ranks)
+
+
+def _rank_order(members: dict, span: int | None) -> list[int]:
+    """A group's ranks in index order (:func:`_signature`): increasing, or with ``span`` rotated to
+    start at the group's lowest source rank."""
+    ranks = sorted({r for side in ("src", "dst") for r, _ in members[side]})
+    if span is not None and ranks:
+        base = min((r for r, _ in members["src"]), default=ranks[0])
+        ranks.sort(key=lambda r: (r - base) % span)
+    return ranks
+
+
+def _rotation_changes(groups: dict, span: int) -> bool:
+    """Whether rotating changes some group's rank order (else its forms are the sorted ones)."""
+    return any(_rank_order(m, span) != _rank_order(m, None) for m in groups.values())
 
 
 def _canonical_layouts(form: tuple, forms: _Forms) -> tuple[Layout, Layout]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..layout import Layout
-from .forms import MARK, _canonical_layouts, _Forms, _groups, _instances, _layer_of
+from .forms import MARK, _canonical_layouts, _Forms, _groups, _instances, _layer_of, _rotation_changes
 from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new, paused_gc
 from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 
@@ -126,9 +126,10 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
     rotated = None
     if len(reps) > len({tuple(side[1] for side in form) for form in reps}):
         span = 1 + max(max(src.buffers, default=0), max(dst.buffers, default=0))
-        rotated = _instances(groups, src, dst, forms, span)
-        if len(rotated[0]) < len(reps):
-            reps, instances = rotated
+        if _rotation_changes(groups, span):     # else the rotated forms are the sorted ones
+            rotated = _instances(groups, src, dst, forms, span)
+            if len(rotated[0]) < len(reps):
+                reps, instances = rotated
     if len(reps) == len(instances):
         return None
     templates = []
