@@ -61,39 +61,21 @@ def test_fit_runs_by_hand():
 @settings(max_examples=300, deadline=None)
 @given(calls=calls_st, budget=st.integers(64, 200))
 def test_fit_runs_equals_roundfill_and_a_plain_first_fit(calls, budget):
+    # every chunk as RoundFill places it (RoundFill: against a plain scan in test_planner_roundfill),
+    # and single items as the plain scan of every round places them
     rounds, chunks = c_runs(budget, calls)
     fill = RoundFill(budget)
-    want, plain = [], []
+    want = []
     for s, d, n, c in calls:
         left = c
         while left:
             k, got = fill.place(s, d, n, left)
             want.append((k, got))
             left -= got
-        left = c
-        while left:                         # the plain scan places one call at a time
-            k, got = plain_first_fit_state(plain, budget, s, d, n, left)
-            left -= got
     assert chunks == want
     assert rounds == fill.rounds
-
-
-def plain_first_fit_state(state, budget, s, d, n, count):
-    """plain_first_fit of one call, with its usage kept in ``state`` (a list holding one dict)."""
-    if not state:
-        state.append({})
-    used = state[0]
-    us, ud = used.setdefault(s, []), used.setdefault(d, [])
-    k = 0
-    while max(us[k] if k < len(us) else 0, ud[k] if k < len(ud) else 0) + n > budget:
-        k += 1
-    for u in (us, ud):
-        u.extend([0] * (k + 1 - len(u)))
-    cnt = min(count, (budget - max(us[k], ud[k])) // n)
-    us[k] += cnt * n
-    if ud is not us:
-        ud[k] += cnt * n
-    return k, cnt
+    one_each = [(s, d, n, 1) for s, d, n, _ in calls]
+    assert [ch for ch in c_runs(budget, one_each)[1]] == plain_first_fit(budget, one_each)
 
 
 @needs_c
