@@ -1,0 +1,86 @@
+"""Replicas share their Buffer objects: ``megatron_layout`` makes a buffer once per distinct
+(name, tensor, split, block, dtype), ``Layout.from_json`` makes buffers equal in JSON one object, and
+``Layout.add_buffer`` checks a Buffer object once -- the same layouts by value (and so the same plans),
+fewer objects for the planner to put in canonical form, and nothing bad let through."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcore_reshard.core.box import Box
+from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece
+from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
+from mcore_reshard.targets import dsv3_671b
+
+
+def tiny():
+    return dsv3_671b().with_(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8, hidden_size=64,
+                             moe_intermediate_size=16, intermediate_size=128, vocab_size=256,
+                             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8,
+                             qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, num_nextn_predict_layers=0)
+
+
+@pytest.mark.parametrize("sizes", [ParallelSizes(tp=2, ep=2, etp=1, dp=2), ParallelSizes(tp=2, pp=2, dp=2, ep=2, etp=2),
+                                   ParallelSizes(tp=1, ep=4, dp=4)])
+def test_megatron_layout_shares_a_buffer_between_replicas_only(sizes):
+    # for every buffer name: ranks whose buffers are equal hold one object, unequal ones others
+    lay = megatron_layout(tiny(), sizes, "deepseek_v3")
+    by_name: dict = {}
+    for r, bufs in lay.buffers.items():
+        for name, buf in bufs.items():
+            by_name.setdefault(name, []).append(buf)
+    shared = split = 0
+    for name, bufs in by_name.items():
+        for x in bufs:
+            for y in bufs:
+                assert (x is y) == (x == y), name
+        shared += len(bufs) - len({id(x) for x in bufs})
+        split += len({id(x) for x in bufs}) > 1
+    assert shared > 0 and split > 0         # some replicas, some shards
+    # by value it is the layout a JSON round trip gives
+    again = Layout.from_json(json.loads(json.dumps(lay.to_json())))
+    assert again.to_json() == lay.to_json()
+
+
+def test_from_json_makes_equal_buffers_one_object_and_still_refuses_bad_ones():
+    lay = Layout()
+    lay.add_tensor("w", (4, 2), "float32")
+    full = Buffer("w", (4, 2), "float32", (Piece("w", Box((0, 0), (4, 2)), Box((0, 0), (4, 2))),))
+    half = Buffer("w", (2, 2), "float32", (Piece("w", Box((2, 0), (2, 2)), Box((0, 0), (2, 2))),))
+    for r, buf in ((0, full), (1, full), (2, half)):
+        lay.add_buffer(r, buf)
+    obj = json.loads(json.dumps(lay.to_json()))
+    got = Layout.from_json(obj)
+    assert got.buffers[0]["w"] is got.buffers[1]["w"] and got.buffers[2]["w"] is not got.buffers[0]["w"]
+    assert got.to_json() == lay.to_json()
+    # a rank whose copy is out of its tensor is refused, even beside a good one of the same name
+    bad = json.loads(json.dumps(obj))
+    bad["buffers"]["3"] = [{"name": "w", "shape": [4, 2], "dtype": "float32", "pieces": [["w", [[1, 0], [4, 2]], [[0, 0], [4, 2]]]]}]
+    with pytest.raises(LayoutError, match="outside"):
+        Layout.from_json(bad)
+    # a float that equals an int is not merged with the int buffer (1.0 == 1): refused as before
+    odd = json.loads(json.dumps(obj))
+    odd["buffers"]["1"][0]["pieces"][0][1] = [[0.0, 0], [4, 2]]
+    with pytest.raises(ValueError, match="must be integers"):
+        Layout.from_json(odd)
+
+
+def test_add_buffer_checks_an_object_once_and_every_other_object(monkeypatch):
+    lay = Layout()
+    lay.add_tensor("w", (4,), "float32")
+    calls = []
+    real = Layout._check_buffer
+    monkeypatch.setattr(Layout, "_check_buffer", lambda self, r, b: (calls.append((r, b.name)), real(self, r, b)))
+    a = Buffer("w", (4,), "float32", (Piece("w", Box((0,), (4,)), Box((0,), (4,))),))
+    twin = Buffer("w", (4,), "float32", (Piece("w", Box((0,), (4,)), Box((0,), (4,))),))
+    for r in range(3):
+        lay.add_buffer(r, a)
+    lay.add_buffer(3, twin)
+    assert calls == [(0, "w"), (3, "w")]
+    wrong = Buffer("v", (4,), "float32", (Piece("w", Box((1,), (4,)), Box((0,), (4,))),))
+    for r in (4, 5):
+        with pytest.raises(LayoutError, match="outside"):
+            lay.add_buffer(r, wrong)
+    with pytest.raises(LayoutError, match="two buffers named"):
+        lay.add_buffer(0, a)
