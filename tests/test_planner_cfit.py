@@ -87,6 +87,11 @@ def test_fit_runs_refuses_what_it_cannot_place():
     with pytest.raises(ValueError):
         ck.fit_runs([0], [1, 2], [8], [1], 64)
     assert c_runs(64, []) == (0, [])
+    # one full-budget item a round, 2**40 of them: refused at 2**21 rounds, in moments, within memory
+    with pytest.raises(OverflowError, match="2\\*\\*21 rounds"):
+        c_runs(64, [(0, 1, 64, 1 << 40)])
+    with pytest.raises(MemoryError, match="more than the kernel keeps"):
+        c_runs(64, [(r, r + 1, 64, 1 << 20) for r in range(0, 1 << 12, 2)])
 
 
 def python_place(monkeypatch, *args, **kw):

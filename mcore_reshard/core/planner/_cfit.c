@@ -33,12 +33,21 @@ typedef struct {
     int32_t *ptr;           /* [r * nlevels + lv]: no round below has room for level lv on r */
 } Fill;
 
+/* Limits: a plan of more rounds, or a fill of more bytes, is left to the Python (the caller falls
+ * back on OverflowError / MemoryError): full-size plans need ~2 k rounds and ~16 MiB here. */
+#define MAX_ROUNDS ((Py_ssize_t)1 << 21)
+#define MAX_FILL_BYTES ((size_t)1 << 31)
+
 static int grow(Fill *f, Py_ssize_t need) {
     Py_ssize_t cap = f->cap ? f->cap : 16;
+    if (need > MAX_ROUNDS) {
+        PyErr_SetString(PyExc_OverflowError, "first fit: more than 2**21 rounds");
+        return -1;
+    }
     while (cap < need) cap *= 2;
     if (cap == f->cap) return 0;
-    if (cap > (Py_ssize_t)1 << 30 || (size_t)cap > SIZE_MAX / sizeof(int64_t) / (size_t)f->nranks) {
-        PyErr_SetString(PyExc_MemoryError, "first fit: too many rounds");
+    if ((size_t)cap > MAX_FILL_BYTES / sizeof(int64_t) / 2 / (size_t)f->nranks) {
+        PyErr_Format(PyExc_MemoryError, "first fit: %zd ranks x %zd rounds is more than the kernel keeps", f->nranks, cap);
         return -1;
     }
     int64_t **arrays[2] = {&f->used, &f->sent};

@@ -5,9 +5,9 @@ hand (an optional extension: without one the package installs and plans the same
 (:class:`.rounds.RoundFill`, :func:`.placement._fit`), which gives the same rounds item for item
 (tests/test_planner_cfit.py compares the two).  ``MCORE_RESHARD_PURE_PYTHON=1`` always uses the
 Python; a build of another version of the kernel than this code expects (a stale in-place build)
-is not used.  An input out of the kernel's ranges (2**24 ranks, 2**20 instances or messages of a
-template, 2**21 rounds) raises before anything is placed, and the caller falls back
-(:data:`FALLBACK`)."""
+is not used.  An input out of the kernel's ranges (ranks below 2**24, 2**20 instances or messages
+of a template, 2**21 rounds, 2 GiB of per-(rank, round) staging counts) raises, and the caller
+falls back (:data:`FALLBACK`) to the Python, which plans it the same way."""
 from __future__ import annotations
 
 import os
