@@ -8,7 +8,8 @@ flat (``topology=None``) and two-level (``topology=`` the configuration's cost-m
 domain receives each needed element once), forwarded bytes, rounds, messages, the cost model's
 predicted time and link bound (``costmodel.predict``) and plan time; for the flat plan also what
 ``costmodel.hierarchical`` predicted forwarding would give.  One configuration per process (a
-full-size plan takes GBs): run them one at a time.  ``python benchmarks/two_level.py --table
+full-size plan takes GBs): run them one at a time.  ``--quick [--nic-pace X] [--copy-share N]``: the
+two-level plan alone, one JSON line (A.2.4's experiments).  ``python benchmarks/two_level.py --table
 benchmarks/results/two_level_*.json`` prints the BENCHMARKS.md A.2 table.
 """
 from __future__ import annotations
@@ -38,6 +39,32 @@ def _numbers(plan, topo, plan_s: float) -> dict:
             "paced_serial_s": serial,
             "paced_serial_over_link_bound": serial / p["link_bound_s"] if p["link_bound_s"] else None,
             "predicted_over_link_bound": p["seconds"] / p["link_bound_s"] if p["link_bound_s"] else None}
+
+
+def quick(name: str, budget: int, nic_pace: float | None = None, copy_share: int | None = None) -> dict:
+    """The two-level plan alone (no flat plan), optionally with other pacing constants
+    (``topology.NIC_PACE``, ``COPY_SHARE``: experiments): paced / link bound, rounds, messages, hash."""
+    import mcore_reshard.core.planner as planner
+    import mcore_reshard.core.planner.topology as topology
+    from mcore_reshard.targets import dsv3_671b
+    from mcore_reshard.tools import costmodel
+    from mcore_reshard.tools.bench.configs import CONFIGS, small_config
+    if nic_pace is not None:
+        topology.NIC_PACE = nic_pace
+    if copy_share is not None:
+        planner.COPY_SHARE = topology.COPY_SHARE = copy_share
+    conf = CONFIGS[name]
+    topo = costmodel.preset(conf.topology)
+    src, dst = conf.build(small_config() if name == "small" else dsv3_671b())
+    t0 = time.perf_counter()
+    plan = planner.make_plan(src, dst, budget_bytes=budget, ignore_unused=True, topology=topo)
+    plan_s = time.perf_counter() - t0
+    p = costmodel.predict(plan, topo)
+    return {"name": name, "nic_pace": topology.NIC_PACE, "copy_share": planner.COPY_SHARE, "plan_s": round(plan_s, 1),
+            "rounds": plan.rounds, "messages": len(plan.messages),
+            "paced_over_link": round(p["paced_s"] / p["link_bound_s"], 4),
+            "nic_eq_bound": plan.stats["network_bytes"] == plan.stats["lower_bound_bytes"],
+            "hash": plan.hash[:16]}
 
 
 def run(name: str, budget: int) -> dict:
@@ -99,7 +126,14 @@ def main(argv=None) -> int:
     ap.add_argument("config")
     ap.add_argument("--budget-mib", type=float, default=256.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="the two-level plan only, one JSON line (paced / link bound, rounds, messages, hash)")
+    ap.add_argument("--nic-pace", type=float, default=None, help="with --quick: topology.NIC_PACE for this run")
+    ap.add_argument("--copy-share", type=int, default=None, help="with --quick: COPY_SHARE for this run")
     a = ap.parse_args(argv)
+    if a.quick:
+        print(json.dumps(quick(a.config, int(a.budget_mib * (1 << 20)), a.nic_pace, a.copy_share)), flush=True)
+        return 0
     res = run(a.config, int(a.budget_mib * (1 << 20)))
     path = Path(a.out or f"benchmarks/results/two_level_{a.config}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
