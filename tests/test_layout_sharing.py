@@ -84,3 +84,17 @@ def test_add_buffer_checks_an_object_once_and_every_other_object(monkeypatch):
             lay.add_buffer(r, wrong)
     with pytest.raises(LayoutError, match="two buffers named"):
         lay.add_buffer(0, a)
+
+
+def test_a_copy_with_other_tensors_checks_again():
+    # a shallow copy shares the record of checked buffers; given other tensors, it checks again
+    import copy
+    lay = Layout()
+    lay.add_tensor("w", (4,), "float32")
+    a = Buffer("w", (4,), "float32", (Piece("w", Box((0,), (4,)), Box((0,), (4,))),))
+    lay.add_buffer(0, a)
+    other = copy.copy(lay)
+    other.tensors = {}
+    other.buffers = {}
+    with pytest.raises(LayoutError, match="undeclared tensor"):
+        other.add_buffer(1, a)

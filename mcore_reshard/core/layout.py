@@ -236,11 +236,12 @@ class Layout:
         if buffer.name in rank_bufs:
             raise LayoutError(f"rank {rank} has two buffers named {buffer.name}")
         checked = self.__dict__.get("_checked")
-        if checked is None:
-            checked = self.__dict__["_checked"] = {}    # id -> the buffer itself (ids of live objects only)
-        if checked.get(id(buffer)) is not buffer:
+        if checked is None:             # id -> (the buffer, the tensors it was checked against)
+            checked = self.__dict__["_checked"] = {}
+        got = checked.get(id(buffer))
+        if got is None or got[0] is not buffer or got[1] is not self.tensors:
             self._check_buffer(rank, buffer)
-            checked[id(buffer)] = buffer
+            checked[id(buffer)] = (buffer, self.tensors)
         rank_bufs[buffer.name] = buffer
 
     def add_sharded(self, name: str, shape: Sequence[int], dtype: str, mesh: Mesh,
