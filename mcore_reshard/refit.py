@@ -49,6 +49,21 @@ ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_grou
 
 
 def _merge(parts: list[dict]) -> Layout:
+    """One layout of every rank's JSON part.  Parts on disjoint ranks that agree on their tensors
+    are read as one JSON layout, so replicas on different ranks share one Buffer object
+    (:meth:`Layout.from_json`); otherwise part by part, which names the conflict."""
+    tensors: dict = {}
+    buffers: dict = {}
+    joint = True
+    for part in parts:
+        for n, meta in part["tensors"].items():
+            if tensors.setdefault(n, meta) != meta:
+                joint = False
+        if not buffers.keys().isdisjoint(part["buffers"]):
+            joint = False
+        buffers.update(part["buffers"])
+    if joint:
+        return Layout.from_json({"tensors": tensors, "buffers": buffers})
     lay = Layout()
     for part in parts:
         piece = Layout.from_json(part)

@@ -98,3 +98,23 @@ def test_a_copy_with_other_tensors_checks_again():
     other.buffers = {}
     with pytest.raises(LayoutError, match="undeclared tensor"):
         other.add_buffer(1, a)
+
+
+def test_merged_rank_parts_share_replicas_and_still_name_conflicts():
+    # MegatronRefit's layout of every rank's JSON part: replicas on different ranks become one
+    # object; parts that disagree on a tensor, or describe one rank twice, are refused as before
+    from mcore_reshard.refit import _merge
+
+    def part(rank, offset):
+        lay = Layout()
+        lay.add_tensor("w", (4, 2), "float32")
+        lay.add_buffer(rank, Buffer("w", (2, 2), "float32", (Piece("w", Box((offset, 0), (2, 2)), Box((0, 0), (2, 2))),)))
+        return json.loads(json.dumps(lay.to_json()))
+    got = _merge([part(0, 0), part(1, 2), part(2, 0)])
+    assert got.buffers[0]["w"] is got.buffers[2]["w"] and got.buffers[1]["w"] != got.buffers[0]["w"]
+    other = part(3, 0)
+    other["tensors"]["w"] = [[8, 2], "float32"]
+    with pytest.raises(LayoutError, match="w"):
+        _merge([part(0, 0), other])
+    with pytest.raises(LayoutError, match="two buffers named"):
+        _merge([part(0, 0), part(0, 2)])
