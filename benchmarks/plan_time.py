@@ -11,7 +11,8 @@ from the templates alone for a templated plan), and each as a ratio to the loop
 ``--classic``: the copy-by-copy planner (``templates=False``); ``--always``: the templated plan
 even where its rounds exceed ``ROUND_SLACK`` x the fewest possible (``templates="always"``).  ``--hash``: also the plan hash and
 its time.  ``--check``: also ``validate_plan`` of the busiest rank's part (with the part: what a
-``Resharder`` does at bind on that rank).  ``first_fit``: the C kernel's
+``Resharder`` does at bind on that rank).  ``--json-parts``: the layouts as ``MegatronRefit`` gets them, one JSON part per rank merged by
+``refit._merge`` (``merge_s``), before planning.  ``first_fit``: the C kernel's
 (:mod:`mcore_reshard.core.planner.fastfit`) or the Python reference's (``MCORE_RESHARD_PURE_PYTHON=1``).
 ``--whole`` (templated plans): also, last, every rank's
 views made and that rank checked against the whole plan (what binding cost before parts), its
@@ -62,10 +63,27 @@ def build(name: str):
     return conf.build(conf.model() if hasattr(conf, "model") else dsv3_671b())
 
 
-def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = False, whole: bool = False) -> dict:
+def via_json(layout):
+    """``layout`` as ``MegatronRefit`` sees it: one JSON part per rank (what each rank sends), merged
+    by ``refit._merge``; (the layout, seconds to merge)."""
+    import json
+    from mcore_reshard.core.layout import Layout
+    from mcore_reshard.refit import _merge
+    parts = [json.loads(json.dumps(Layout(layout.tensors, {r: bufs}).to_json())) for r, bufs in layout.buffers.items()]
+    t0 = time.perf_counter()
+    merged = _merge(parts)
+    return merged, time.perf_counter() - t0
+
+
+def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = False, whole: bool = False,
+        json_parts: bool = False) -> dict:
     t0 = time.perf_counter()
     src, dst = build(name)
     layout_s = time.perf_counter() - t0
+    merge_s = None
+    if json_parts:
+        (src, a), (dst, b) = via_json(src), via_json(dst)
+        merge_s = round(a + b, 2)
     gc.collect()
     before = loop_s()
     rss0 = rss_bytes()
@@ -83,7 +101,7 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
     kind = "make_fp8_plan" if name == "fp8_tp8" else "templated" if isinstance(plan, TemplatedPlan) else "classic"
     from mcore_reshard.core.planner import fastfit
     out = {"name": name, "planner": kind, "first_fit": "c" if fastfit.cfit is not None else "python",
-           "layout_s": round(layout_s, 2),
+           "layout_s": round(layout_s, 2), **({"merge_s": merge_s} if json_parts else {}),
            "plan_s": round(plan_s, 3), "plan_cpu_s": round(plan_cpu, 3), "rss_added_mib": round(mem / 2**20)}
     if name != "fp8_tp8":
         s = plan.stats
@@ -148,5 +166,5 @@ if __name__ == "__main__":
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     for name in [a for a in sys.argv[1:] if not a.startswith("--")]:
         print(json.dumps(run(name, "--classic" in flags, "--hash" in flags, "--check" in flags, "--always" in flags,
-                             "--whole" in flags)),
+                             "--whole" in flags, "--json-parts" in flags)),
               flush=True)
