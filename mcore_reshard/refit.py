@@ -39,6 +39,7 @@ from .core.executor.common import check_timeout
 from .mapper.family import canonicalize, load_family
 from .fp8.plan import make_fp8_plan
 from .fp8.refit import Fp8Resharder
+from .core.gcpause import paused_gc
 from .core.layout import Layout
 from .sources.megatron_model import family_for, model_config, read_layout
 from .core.planner import DEFAULT_BUDGET, make_plan
@@ -48,6 +49,7 @@ ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_grou
              "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "vocab_size", "mtp_num_layers")
 
 
+@paused_gc()
 def _merge(parts: list[dict]) -> Layout:
     """One layout of every rank's JSON part.  Parts on disjoint ranks that agree on their tensors
     are read as one JSON layout, so replicas on different ranks share one Buffer object

@@ -118,3 +118,45 @@ def test_merged_rank_parts_share_replicas_and_still_name_conflicts():
         _merge([part(0, 0), other])
     with pytest.raises(LayoutError, match="two buffers named"):
         _merge([part(0, 0), part(0, 2)])
+
+
+def test_builders_pause_the_collector_and_restore_it():
+    # paused_gc: the collector is off inside (nested too), its state restored after, also on an error;
+    # the layout builders run under it and leave an enabled collector enabled, a disabled one disabled
+    import gc
+
+    from mcore_reshard.core.gcpause import paused_gc
+    from mcore_reshard.refit import _merge
+    from mcore_reshard.targets import vllm_layout
+
+    seen = []
+
+    @paused_gc()
+    def inner():
+        seen.append(gc.isenabled())
+        with paused_gc():
+            seen.append(gc.isenabled())
+        seen.append(gc.isenabled())
+        raise KeyError("x")
+
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            with pytest.raises(KeyError):
+                inner()
+            assert gc.isenabled() is state
+            lay = megatron_layout(tiny(), ParallelSizes(tp=2, dp=2), "deepseek_v3")
+            assert gc.isenabled() is state
+            vllm_layout(tiny(), tp=2)
+            assert gc.isenabled() is state
+            parts = [json.loads(json.dumps(Layout(lay.tensors, {r: b}).to_json())) for r, b in lay.buffers.items()]
+            assert _merge(parts).to_json() == lay.to_json()
+            assert gc.isenabled() is state
+            with pytest.raises(LayoutError):     # a builder that raises restores the collector too
+                Layout.from_json({"tensors": {}, "buffers": {"0": [Buffer("b", (2,), "float32", (
+                    Piece("t", Box((0,), (2,)), Box((0,), (2,))),)).to_json()]}})
+            assert gc.isenabled() is state
+        assert seen == [False] * 6
+    finally:
+        (gc.enable if was else gc.disable)()

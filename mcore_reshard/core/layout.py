@@ -21,6 +21,7 @@ from math import prod
 from typing import Iterable, Mapping, Sequence
 
 from .box import Box, split_range, subtract
+from .gcpause import paused_gc
 from .mesh import Mesh
 
 DTYPE_SIZES = {
@@ -297,6 +298,7 @@ class Layout:
                 "buffers": {str(r): [self.buffers[r][n].to_json() for n in sorted(self.buffers[r])] for r in self.ranks}}
 
     @staticmethod
+    @paused_gc()
     def from_json(obj: Mapping) -> "Layout":
         """The layout of :meth:`to_json`; buffers equal in JSON become one shared Buffer object
         (replicas: built and checked once, recognised by identity when planning)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..core.box import Box, split_range
+from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout, Piece
 from ..core.mesh import megatron_meshes
 
@@ -138,6 +139,7 @@ class _Builder:
         self.add(rank, ("gate_up", buf, gate, up, ffn, hidden, parts, index, self.dtype), make)
 
 
+@paused_gc()
 def megatron_layout(cfg: Any, sizes: ParallelSizes, family: str = "deepseek_v3", dtype: str = "float32",
                     norm_dtype: str | None = None, rank_offset: int = 0) -> Layout:
     """The canonical layout of a Megatron-Core model with these dims on these parallel sizes."""

@@ -18,6 +18,7 @@ buffers holding ``model.embed_tokens.weight`` / ``lm_head.weight``.
 from __future__ import annotations
 
 from ..core.box import Box
+from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout, Piece
 from .config import ModelConfig, canonical_tensors
 
@@ -27,6 +28,7 @@ def _whole(name: str, tensor: str, shape, dtype: str) -> Buffer:
     return Buffer(name, tuple(shape), dtype, (Piece(tensor, full, full),))
 
 
+@paused_gc()
 def hf_layout(config: ModelConfig, rank: int = 0, dtype: str = "bfloat16", fused_experts: bool = True,
               mtp_copies: bool = False) -> Layout:
     lay = Layout()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..core.gcpause import paused_gc
 from ..core.layout import Layout, LayoutError
 from .config import ModelConfig
 from .vllm import EngineNames, LayoutBuilder, RankPlan
@@ -53,6 +54,7 @@ def default_fuse_shared_expert(config: ModelConfig, ep: int, moe_a2a_backend: st
             and ep == 1 and moe_a2a_backend not in A2A_REPLICATED_SHARED)
 
 
+@paused_gc()
 def sglang_layout(config: ModelConfig, tp: int, dp: int = 1, ep: int = 1, enable_dp_attention: bool = False,
                   fuse_shared_expert: bool | None = None, rank_offset: int = 0, dtype: str = "bfloat16", *,
                   moe_a2a_backend: str = "none", moe_dense_tp_size: int | None = None,

@@ -50,6 +50,7 @@ from functools import lru_cache
 from typing import Iterable, Sequence
 
 from ..core.box import Box, split_range
+from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout, LayoutError, Piece, stacked
 from .config import ModelConfig, canonical_tensors, layer_tensors
 
@@ -401,6 +402,7 @@ def effective_expert_placement(config: ModelConfig, placement: str, tp: int, dp:
     return placement
 
 
+@paused_gc()
 def vllm_layout(config: ModelConfig, tp: int, dp: int = 1, enable_expert_parallel: bool = False,
                 rank_offset: int = 0, dtype: str = "bfloat16", names: str = "current", *, pp: int = 1,
                 pp_layer_partition: Sequence[int] | None = None, expert_placement: str = "linear",

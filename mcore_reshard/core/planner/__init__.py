@@ -30,10 +30,10 @@ Import from this package.
 """
 from __future__ import annotations
 
-import gc
 from math import prod
 
 from ..box import Box
+from ..gcpause import paused_gc
 from ..layout import Layout
 from .index import _atoms, _check_tensors, _disjoint, _fmt_ranks, _raise_uncovered, _source_index, _uncovered
 from .matching import local_mapper, match
@@ -73,9 +73,7 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     topo = Topology.of(topology)
     # planning allocates millions of small acyclic objects: the cyclic garbage collector would
     # rescan the (large) layouts many times over for nothing, so it is paused while planning
-    paused = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         if templates and topo is None:
             tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
             plan = make_templated(src, dst, tensors, budget_bytes, allow_cast, _make_plan)
@@ -84,9 +82,6 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
                 plan.stats["unused_tensors"] = sorted(set(src.tensors) - set(dst.tensors))
                 return plan
         return _make_plan(src, dst, budget_bytes, allow_cast, ignore_unused, topo)
-    finally:
-        if paused:
-            gc.enable()
 
 
 ROUND_SLACK = 1.3

@@ -1,13 +1,13 @@
 """Plan data: :class:`Copy`, :class:`Message`, :class:`Plan` (JSON and the sha256 hash), constants."""
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
 from ..box import Box, unchecked_box
+from ..gcpause import paused_gc  # noqa: F401  (re-exported: the planner and fp8 use it from here)
 
 DEFAULT_BUDGET = 256 << 20
 ALIGN = 16  # byte alignment of every entry in a staging buffer
@@ -21,31 +21,6 @@ PLAN_FORMATS: dict = {}
 
 class PlanError(ValueError):
     """The two layouts cannot be reconciled; the message names tensor, ranks, shapes and region."""
-
-
-class paused_gc:
-    """Context (and decorator) pausing the cyclic garbage collector: building or walking a plan
-    allocates millions of small acyclic objects, and each collection would rescan the (large)
-    layouts and plan for nothing.  Nests; the collector's state is restored on exit."""
-
-    def __enter__(self):
-        self.was = gc.isenabled()
-        gc.disable()
-        return self
-
-    def __exit__(self, *exc):
-        if self.was:
-            gc.enable()
-        return False
-
-    def __call__(self, fn):
-        import functools
-
-        @functools.wraps(fn)
-        def run(*a, **kw):
-            with paused_gc():
-                return fn(*a, **kw)
-        return run
 
 
 def _align(n: int) -> int:
