@@ -64,6 +64,16 @@ def test_from_json_makes_equal_buffers_one_object_and_still_refuses_bad_ones():
     odd["buffers"]["1"][0]["pieces"][0][1] = [[0.0, 0], [4, 2]]
     with pytest.raises(ValueError, match="must be integers"):
         Layout.from_json(odd)
+    # ... nor a bool (False == 0) or a float anywhere else in the buffer: shape, box, local box
+    for path, value in ((("shape",), [4.0, 2]), (("pieces", 0, 1), [[False, 0], [4, 2]]),
+                        (("pieces", 0, 2), [[0, 0], [4, 2.0]])):
+        odd = json.loads(json.dumps(obj))
+        at = odd["buffers"]["1"][0]
+        for k in path[:-1]:
+            at = at[k]
+        at[path[-1]] = value
+        with pytest.raises((ValueError, TypeError, LayoutError)):
+            Layout.from_json(odd)
 
 
 def test_add_buffer_checks_an_object_once_and_every_other_object(monkeypatch):

@@ -150,21 +150,27 @@ class Buffer:
                       tuple(Piece(t, Box.from_json(b), Box.from_json(l)) for t, b, l in obj["pieces"]))
 
 
-def _ints(xs) -> tuple:
-    out = tuple(xs)
-    if not all(type(x) is int for x in out):
-        raise TypeError("not a list of ints")
-    return out
+_INT = {int}
 
 
 def _json_key(obj) -> tuple:
     """A hashable key of a buffer's JSON form: name, shape, dtype, pieces, every number an int
     (TypeError, KeyError or ValueError otherwise: such a buffer is not shared, and
-    :meth:`Buffer.from_json` says what is wrong with it)."""
-    if type(obj["name"]) is not str or type(obj["dtype"]) is not str:
+    :meth:`Buffer.from_json` says what is wrong with it).  The numbers' types are checked in one
+    pass over all of them (a float or a bool equals an int in a tuple: ``1.0 == 1 == True``)."""
+    name, dtype, shape = obj["name"], obj["dtype"], obj["shape"]
+    if type(name) is not str or type(dtype) is not str:
         raise TypeError("name and dtype must be strings")
-    return (obj["name"], _ints(obj["shape"]), obj["dtype"],
-            tuple((t, _ints(b[0]), _ints(b[1]), _ints(l[0]), _ints(l[1])) for t, b, l in obj["pieces"]))
+    pieces = tuple((t, tuple(b[0]), tuple(b[1]), tuple(l[0]), tuple(l[1])) for t, b, l in obj["pieces"])
+    nums = list(shape)
+    for p in pieces:
+        nums += p[1]
+        nums += p[2]
+        nums += p[3]
+        nums += p[4]
+    if not set(map(type, nums)) <= _INT:
+        raise TypeError("not a list of ints")
+    return (name, tuple(shape), dtype, pieces)
 
 
 def stacked(name: str, dtype: str, parts: Sequence[tuple[str, Box]], dim: int = 0) -> Buffer:
@@ -255,6 +261,8 @@ class Layout:
             self.add_buffer(r, Buffer(buffer or name, box.sizes, dtype, (Piece(name, box, Box.full(box.sizes)),)))
 
     def _check_buffer(self, rank: int, buf: Buffer) -> None:
+        if not isinstance(buf.shape, tuple) or not all(type(n) is int and n >= 0 for n in buf.shape):
+            raise LayoutError(f"rank {rank} buffer {buf.name}: shape {buf.shape!r} must be a tuple of integers >= 0")
         for p in buf.pieces:
             meta = self.tensors.get(p.tensor)
             if meta is None:
