@@ -58,13 +58,9 @@ def _merge(parts: list[dict]) -> Layout:
     buffers: dict = {}
     joint = True
     for part in parts:
-        got = part["tensors"]
-        # the usual case, a part declaring tensors already declared alike, checked in one C-level
-        # comparison; else tensor by tensor
-        if not (isinstance(got, dict) and got.items() <= tensors.items()):
-            for n, meta in got.items():
-                if tensors.setdefault(n, meta) != meta:
-                    joint = False
+        for n, meta in part["tensors"].items():
+            if tensors.setdefault(n, meta) != meta:
+                joint = False
         if not buffers.keys().isdisjoint(part["buffers"]):
             joint = False
         buffers.update(part["buffers"])
