@@ -54,10 +54,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout, itemsize
 from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, make_plan
 from ..core.planner.index import _source_index
-from ..core.planner.plan import paused_gc
 from .groups import Fp8Group, _make_groups, _split_names
 from .layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
 from .regions import Region, _nbytes, plan_regions, restrict

@@ -25,9 +25,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Iterator, Sequence
 
+from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout
 from ..core.planner import Message, Plan, PlanError
-from ..core.planner.plan import _copy, paused_gc
+from ..core.planner.plan import _copy
 from ..core.planner.forms import MARK, _number
 from .groups import Fp8Group
 from .layout import scale_name

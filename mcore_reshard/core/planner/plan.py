@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
 from ..box import Box, unchecked_box
-from ..gcpause import paused_gc  # noqa: F401  (re-exported: the planner and fp8 use it from here)
+from ..gcpause import paused_gc
 
 DEFAULT_BUDGET = 256 << 20
 ALIGN = 16  # byte alignment of every entry in a staging buffer

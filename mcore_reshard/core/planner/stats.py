@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..gcpause import paused_gc
 from ..layout import itemsize
-from .plan import Plan, paused_gc
+from .plan import Plan
 
 
 @paused_gc()

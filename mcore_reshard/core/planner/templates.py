@@ -33,9 +33,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..gcpause import paused_gc
 from ..layout import Layout
 from .forms import MARK, _canonical_layouts, _Forms, _groups, _instances, _layer_of, _rotation_changes
-from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new, paused_gc
+from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new
 from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 
 TEMPLATE_VERSION = 3

@@ -5,9 +5,10 @@ from bisect import bisect_left
 from collections import defaultdict
 
 from ..box import Box
+from ..gcpause import paused_gc
 from ..layout import itemsize
 from .index import _uncovered
-from .plan import ALIGN, Copy, Plan, contiguous, paused_gc
+from .plan import ALIGN, Copy, Plan, contiguous
 
 @paused_gc()
 def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[str]:
