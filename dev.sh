@@ -80,7 +80,7 @@ core311() {
   ensure_kernel "$venv"
   "$venv/bin/python" -c 'import sys; import mcore_reshard; assert "megatron" not in sys.modules'
   # shellcheck disable=SC2086
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider $CORE_TESTS "$@"
+  "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider $CORE_TESTS "$@"
 }
 
 # The inference engines as test dependencies (tests/test_engines.py runs their real model classes and
