@@ -196,7 +196,7 @@ def test_nccl_host_side_deadline_and_abort(monkeypatch):
             NeverDone.waited += 1      # would return at once on NCCL: must not be relied on
 
     aborted = []
-    monkeypatch.setattr(common, "_blocking", lambda g: False)
+    monkeypatch.setattr(common, "waits_block", lambda g: False)
     monkeypatch.setattr(common, "abort_group", lambda g: aborted.append(g))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="communicator aborted"):
@@ -219,6 +219,12 @@ def test_nccl_host_side_deadline_and_abort(monkeypatch):
     w = DoneLater()
     common.bounded_wait(w, 5.0, group="fake-nccl-group")
     assert w.waited == 1 and len(aborted) == 1
+    # the same, told by the caller (a Resharder looks the backend up once per group): never blocks
+    # on the fake group's wait, whatever waits_block would say
+    monkeypatch.setattr(common, "waits_block", lambda g: True)
+    with pytest.raises(TimeoutError, match="communicator aborted"):
+        common.bounded_wait(NeverDone(), 0.2, group="fake-nccl-group", blocking=False)
+    assert NeverDone.waited == 0 and len(aborted) == 2
     # a timeout error is classified as such by the round error text
     from mcore_reshard.core.executor.errors import is_timeout
     assert is_timeout(TimeoutError("Timed out waiting 300ms (host-side deadline; communicator aborted)"))

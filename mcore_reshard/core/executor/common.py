@@ -79,8 +79,10 @@ def group_timeout(group) -> float:
 POLL_S = 0.0005
 
 
-def bounded_wait(work, timeout: float | None, group=None) -> None:
+def bounded_wait(work, timeout: float | None, group=None, blocking: bool | None = None) -> None:
     """Wait for ``work`` at most ``timeout`` seconds (None: the group's timeout; never unbounded).
+    ``blocking``: whether the group's ``wait`` blocks the host (:func:`waits_block`; None: looked
+    up here, ~25 us per call -- a refit's hundreds of waits pass it in).
 
     gloo: ``work.wait(timeout)`` blocks the host and raises on timeout.  Every other backend
     (NCCL): ``wait`` only makes the current stream wait, so the host polls ``is_completed()``
@@ -89,7 +91,7 @@ def bounded_wait(work, timeout: float | None, group=None) -> None:
     if timeout is None:
         timeout = group_timeout(group)
     timeout = max(timeout, 0.001)
-    if _blocking(group):
+    if waits_block(group) if blocking is None else blocking:
         work.wait(datetime.timedelta(seconds=timeout))
         return
     deadline = time.monotonic() + timeout
@@ -101,7 +103,8 @@ def bounded_wait(work, timeout: float | None, group=None) -> None:
     work.wait()   # completed: raises the backend's error if the operation failed
 
 
-def _blocking(group) -> bool:
+def waits_block(group) -> bool:
+    """Whether ``work.wait(timeout)`` of ``group`` blocks the host until done or timed out (gloo)."""
     try:
         return dist.get_backend(group) == "gloo"
     except Exception:  # noqa: BLE001 - not a real group (tests): wait blocks

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..planner import Plan
 from . import rounds as _rounds
 from .binding import bind
-from .common import check_timeout, group_device, group_timeout
+from .common import check_timeout, group_device, group_timeout, waits_block
 from .errors import ReshardError
 from .handshake import agree, group_guard
 from .transfer import run_refit
@@ -86,8 +86,10 @@ class Resharder:
         self._token = msgs[0]["token"]
 
     def _set_timeout(self) -> None:
+        """The timeout and what the rounds look up once per group (not once per operation)."""
         self.timeout_s = self._timeout_arg if self._timeout_arg is not None else group_timeout(self.group)
         self.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.waits_block = waits_block(self.group)
 
     # ------------------------------------------------------------------ validation and binding
 

@@ -142,7 +142,8 @@ class _Clock:
 
     def wait(self, work, label: str) -> None:
         try:
-            bounded_wait(work, self.t0 + self.extra + self.r.timeout_s - time.monotonic(), self.r.group)
+            bounded_wait(work, self.t0 + self.extra + self.r.timeout_s - time.monotonic(), self.r.group,
+                         self.r.waits_block)
         except Exception as e:  # noqa: BLE001
             raise self.error(label, e) from e
 
@@ -349,17 +350,37 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
         raise
     except Exception as e:  # noqa: BLE001 - posting failed (peer gone before or during the round)
         raise clock.error(label, e) from e
-    pending = list(range(len(recvs)))
-    while pending:
-        done = [k for k in pending if recv_works[k].is_completed()]
-        if not done and clock.idle():
-            continue
-        batch = done or pending[:1]      # what has arrived, else the next in order (waited for)
-        for k in batch:
+    # a peer's receives complete in the order they were posted (gloo matches a pair's messages in
+    # order), so only the oldest pending receive of each peer is polled
+    queues: dict[int, list[int]] = {}
+    for k, (peer, *_) in enumerate(recvs):
+        queues.setdefault(peer, []).append(k)
+    heads = {peer: 0 for peer in queues}
+
+    def landed() -> list[int]:
+        out = []
+        for peer, q in queues.items():
+            h = heads[peer]
+            while h < len(q) and recv_works[q[h]].is_completed():
+                out.append(q[h])
+                h += 1
+            heads[peer] = h
+        return out
+
+    left = len(recvs)
+    while left:
+        batch = landed()
+        if not batch:
+            if clock.idle():
+                continue
+            peer = min((q[heads[p]], p) for p, q in queues.items() if heads[p] < len(q))[1]
+            batch = [queues[peer][heads[peer]]]      # nothing has arrived: wait for the next in plan order
+            heads[peer] += 1
+        for k in sorted(batch):
             peer, w, pairs, m = recvs[k]
             clock.wait(recv_works[k], f"receiving from rank {peer}")
             unpack(r, i, peer, w, pairs, m, problems, bad_buffers)
-        pending = [k for k in pending if k not in batch]
+        left -= len(batch)
     check_unstaged(r, i, rnd, problems, bad_buffers)
     while clock.idle():
         pass
