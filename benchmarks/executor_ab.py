@@ -6,7 +6,9 @@ floor, timed interleaved call by call in the same 4 gloo workers::
 The earlier revision's ``mcore_reshard/core/executor/rounds.py`` is read with ``git show`` and
 loaded as a module; its ``round_overlapped`` runs in place of this tree's (same plan, same
 binding; the Resharder's cached ``waits_block`` cleared so that every wait looks the backend up,
-as it did before).  Per method and rank: median wall ms, process CPU ms (every thread, gloo's
+as it did before).  ``floor``: the bare transport (``bench.live.TransportFloor``); ``floor_local``:
+the floor, then this rank's local copies (``transfer.LocalCopies``): the least any executor does
+for this plan, as the floor copies nothing into the model.  Per method and rank: median wall ms, process CPU ms (every thread, gloo's
 included) and main-thread CPU ms; ``paired_new_old``: the median of the per-call ratios.
 Prints one JSON line per (rank, layout pair).
 """
@@ -39,6 +41,7 @@ def worker(rank: int, world: int, size: str, reps: int, old_path: str) -> list:
     mcore_cpu, _ = live.import_test_helpers()
     mcore_cpu.install_cpu_shims()
     from mcore_reshard.core.executor import transfer
+    from mcore_reshard.core.executor.transfer import LocalCopies
     from mcore_reshard.refit import MegatronRefit
     old_rounds = _old_rounds(old_path)
     out = []
@@ -57,7 +60,13 @@ def worker(rank: int, world: int, size: str, reps: int, old_path: str) -> list:
             finally:
                 transfer.round_overlapped = keep
 
-        fns = {"new": new.refit, "old": run_old, "floor": live.TransportFloor(new.plan).run}
+        floor = live.TransportFloor(new.plan)
+
+        def floor_local():      # the least any executor does here: the wire, then this rank's local copies
+            floor.run()
+            LocalCopies(new.resharder, [], set()).drain()
+
+        fns = {"new": new.refit, "old": run_old, "floor": floor.run, "floor_local": floor_local}
         res = {k: [] for k in fns}
         for fn in fns.values():
             fn()
@@ -78,6 +87,7 @@ def worker(rank: int, world: int, size: str, reps: int, old_path: str) -> list:
                     "paired_new_old": round(med([a[0] / b[0] for a, b in zip(res["new"], res["old"])]), 3),
                     "new_over_floor": round(row["new"]["wall_ms"] / row["floor"]["wall_ms"], 2),
                     "old_over_floor": round(row["old"]["wall_ms"] / row["floor"]["wall_ms"], 2),
+                    "floor_local_over_floor": round(row["floor_local"]["wall_ms"] / row["floor"]["wall_ms"], 2),
                     "loadavg": round(os.getloadavg()[0], 2)})
     return out
 
