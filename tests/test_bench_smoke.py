@@ -146,9 +146,13 @@ def test_live_one_rep_tiny():
     assert m["gather_broadcast"]["bytes"] > ours["bytes"]
     # the floor moves the plan's network bytes, one message per (sender, receiver) pair
     assert m["floor"]["bytes"] == ours["bytes"] and 0 < m["floor"]["messages"] <= ours["messages"]
+    # the floor + the local copies: the same wire, timed with them (interleaved)
+    assert m["floor_local"]["bytes"] == ours["bytes"] and m["floor_local"]["messages"] == m["floor"]["messages"]
+    assert len(m["floor_local"]["times"]) == len(m["floor"]["times"]) == len(ours["times"]) == 1
     assert all(e["median_s"] > 0 for e in m.values() if "median_s" in e)
     table = bench.markdown_live([row])
     assert "| tiny" in table and "| floor |" in table and "n/a (bare transport)" in table
+    assert "| floor_local |" in table and "n/a (bare transport + local copies)" in table
 
 
 def test_costmodel_paced_hand_checked():

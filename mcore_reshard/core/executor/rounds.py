@@ -315,7 +315,8 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
        bytes travel while the next one is packed.
     3. Receives are unpacked one by one as soon as each has arrived (first every one already
        complete, else background work -- the local copies -- else the next in order is waited for),
-       while the others still travel.
+       while the others still travel.  Only the oldest pending receive of each peer is polled (a
+       pair's receives complete in the order they were posted): O(peers) per step, not O(receives).
     4. Then the sends are waited for (their buffers are reused by the next round).
 
     A message goes as one or more operations (:func:`~.binding.parts`): its large entries one each, sent

@@ -35,6 +35,12 @@ Methods:
     pairs: one flat pre-allocated buffer per (sender, receiver) pair, one ``batch_isend_irecv`` of
     all of them, no packing, no local copies, nothing written into a model.  The ratio
     ``mcore_reshard / floor`` is what the executor adds on top of the wire.
+``floor_local``
+    Timed with ``mcore_reshard`` and ``floor`` whenever both run: the floor, then every local copy
+    of the plan on each rank (``copy_`` from a source into a destination view on the same rank,
+    as :class:`~mcore_reshard.core.executor.transfer.LocalCopies` runs them).  The least any
+    executor does for the plan: a destination never aliases a live source, so the shards a rank
+    keeps must be copied, and on a machine with fewer cores than ranks that CPU adds to the wire's.
 ``gather_broadcast``
     :class:`GatherBroadcast`: for every canonical tensor, the holders send their shards to one root
     (the source rank holding most of it), the root broadcasts the full tensor to every destination
@@ -426,6 +432,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     mcore_cpu.install_cpu_shims()
     from megatron.core.resharding.refit import clear_all_caches, swap_model_weights
 
+    from ...core.executor.transfer import LocalCopies
     from ...refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
@@ -469,6 +476,12 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                     fns["mcore_reshard_batched"] = lambda: ours(False)
                 if floor is not None:
                     fns["floor"] = floor.run
+
+                    def floor_local():
+                        floor.run()
+                        LocalCopies(res_, [], set()).drain()
+
+                    fns["floor_local"] = floor_local
                 timed = _timed_interleaved(fns, reps)
                 res_.overlap = None
                 r = timed["mcore_reshard"]
@@ -499,9 +512,10 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                     res_.overlap = None
                     res["methods"]["mcore_reshard_batched"] = b
                 if floor is not None:
-                    f = timed["floor"]
-                    f.update(sent_bytes=floor.sent_bytes, sent_msgs=floor.messages)
-                    res["methods"]["floor"] = f
+                    for name in ("floor", "floor_local"):
+                        f = timed[name]
+                        f.update(sent_bytes=floor.sent_bytes, sent_msgs=floor.messages)
+                        res["methods"][name] = f
                     floor = None
             if "megatron_resharding" in methods:
                 # as shipped: bit-exactness only (SequentialMLP expert names are not remapped)
@@ -583,7 +597,7 @@ def aggregate(per_rank: list[list[dict]]) -> list[dict]:
                     if k in ms[0]:
                         e[k + "_per_rank"] = [x[k] for x in ms]
                 e["transient_peak_bytes"] = max(x["peak_added"] for x in ms)
-            elif m in ("megatron_resharding", "floor"):
+            elif m in ("megatron_resharding", "floor", "floor_local"):
                 e.update(bytes=sum(x["sent_bytes"] for x in ms), messages=sum(x["sent_msgs"] for x in ms))
             elif m == "gather_broadcast":
                 e.update(bytes=ms[0]["total_bytes"], messages=ms[0]["total_msgs"])

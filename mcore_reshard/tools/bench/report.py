@@ -168,6 +168,8 @@ def markdown_live(rows: list[dict]) -> str:
             ex = "yes" if e.get("bit_exact") else f"NO ({e.get('differ')} of {e.get('tensors')} differ)"
             if m == "floor":
                 ex = "n/a (bare transport)"
+            elif m == "floor_local":
+                ex = "n/a (bare transport + local copies)"
             extra = f" ({e['rounds']} round(s))" if m.startswith("mcore_reshard") else ""
             vs_lb = f"{e['bytes'] / lb:.2f}" if lb else "-"
             lines.append(f"| {r['size']} ({r['params'] / 1e6:.0f}M) | {r['case']} | {m} | {e['median_s']:.3f} | "
