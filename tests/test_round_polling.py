@@ -13,7 +13,7 @@ from mcore_reshard.core.executor import rounds
 
 
 class Work:
-    """Completes when waited for, or when ``arrive`` lands it (out of order across peers)."""
+    """Completes when waited for, or when the stand-in lands it early (out of order across peers)."""
     polls = 0
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor | None):

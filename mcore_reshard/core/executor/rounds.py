@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -353,35 +354,23 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
         raise clock.error(label, e) from e
     # a peer's receives complete in the order they were posted (gloo matches a pair's messages in
     # order), so only the oldest pending receive of each peer is polled
-    queues: dict[int, list[int]] = {}
+    queues: dict[int, deque] = {}
     for k, (peer, *_) in enumerate(recvs):
-        queues.setdefault(peer, []).append(k)
-    heads = {peer: 0 for peer in queues}
-
-    def landed() -> list[int]:
-        out = []
-        for peer, q in queues.items():
-            h = heads[peer]
-            while h < len(q) and recv_works[q[h]].is_completed():
-                out.append(q[h])
-                h += 1
-            heads[peer] = h
-        return out
-
-    left = len(recvs)
-    while left:
-        batch = landed()
+        queues.setdefault(peer, deque()).append(k)
+    while any(queues.values()):
+        batch = []
+        for q in queues.values():
+            while q and recv_works[q[0]].is_completed():
+                batch.append(q.popleft())
         if not batch:
             if clock.idle():
                 continue
-            peer = min((q[heads[p]], p) for p, q in queues.items() if heads[p] < len(q))[1]
-            batch = [queues[peer][heads[peer]]]      # nothing has arrived: wait for the next in plan order
-            heads[peer] += 1
+            k = min(q[0] for q in queues.values() if q)     # nothing has arrived: wait for the next in plan order
+            batch = [queues[recvs[k][0]].popleft()]
         for k in sorted(batch):
             peer, w, pairs, m = recvs[k]
             clock.wait(recv_works[k], f"receiving from rank {peer}")
             unpack(r, i, peer, w, pairs, m, problems, bad_buffers)
-        left -= len(batch)
     check_unstaged(r, i, rnd, problems, bad_buffers)
     while clock.idle():
         pass
