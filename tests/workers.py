@@ -124,3 +124,27 @@ def templated_parts(rank: int, world: int) -> dict:
     out["rounds_bound"] = len(r.rounds)
     out["expected_rounds"] = len({m.round for m in part.messages})
     return out
+
+
+def refusal_in_refit_start(rank: int, world: int) -> dict:
+    """Rank 1 brings a refusal to its second refit (an integration's own check failed): every rank
+    raises ReshardError in the refit start, nothing moves, and the next refit works."""
+    src, dst = build_layouts("tp=2", "tp=1,dp=2", True)
+    full = {n: reference_tensor(n, m.shape) for n, m in src.tensors.items()}
+    S, D = materialize(src, rank, full), materialize(dst, rank, full, fill=7.0)
+    r = Resharder(make_plan(src, dst), S, D)
+    r.refit(1)
+    for t in S.values():
+        t.add_(1.0)
+    before = {n: t.clone() for n, t in D.items()}
+    out = {"rank": rank}
+    try:
+        r.refit(2, refusal=["model.norm.weight: replaced after binding"] if rank == 1 else None)
+        out["error"] = None
+    except ReshardError as e:
+        out["error"] = str(e)
+    out["untouched"] = all(torch.equal(before[n], D[n]) for n in D)
+    out["state_version"] = r.state()["version"]
+    r.refit(3)
+    out["after"] = all(torch.equal(D[n], materialize(dst, rank, {k: v + 1.0 for k, v in full.items()})[n]) for n in D)
+    return out

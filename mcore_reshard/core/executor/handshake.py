@@ -188,7 +188,7 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
 
 
-_F_EXPLICIT, _F_DIRTY = 1, 2
+_F_EXPLICIT, _F_DIRTY, _F_REFUSED = 1, 2, 4
 
 
 class GatherChecked:
@@ -237,16 +237,17 @@ def all_or_none(group, *, timeout: float | None = None):
 
 
 def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, explicit: bool, options: str,
-                dirty: bool, timeout: float | None) -> int:
+                dirty: bool, timeout: float | None, refusal: list[str] | None = None) -> int:
     """Collective, before any byte of a refit moves: every rank states which binding it refits
     (plan digest + binding token), with which options, which version it proposes (``explicit``:
     the caller passed ``version=``) and whether operations of an interrupted refit may still be
     pending on this group (``dirty``).  Returns the agreed version (the explicit one, else the
     highest proposal, so ranks that disagree after an interruption converge); raises
     :class:`ReshardError` on every rank if they refit different Resharders, options differ,
-    explicit versions differ or any rank is dirty.  A failed exchange raises (the caller turns it
-    into a :class:`TransferError`)."""
-    flags = (_F_EXPLICIT if explicit else 0) | (_F_DIRTY if dirty else 0)
+    explicit versions differ, any rank is dirty or any rank brings a ``refusal`` (its own reasons,
+    e.g. a bound tensor its owner no longer computes with: named on that rank, counted on the
+    others).  A failed exchange raises (the caller turns it into a :class:`TransferError`)."""
+    flags = (_F_EXPLICIT if explicit else 0) | (_F_DIRTY if dirty else 0) | (_F_REFUSED if refusal else 0)
     msgs = exchange(group, 4, digest=digest, version=proposal, options=options, token=token, flags=flags,
                     timeout=timeout)
     problems = []
@@ -268,6 +269,10 @@ def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, exp
         wanted = sorted({m["version"] for m in msgs if m["flags"] & _F_EXPLICIT})
         if len(wanted) > 1:
             problems.append(f"ranks ask for different refit versions {wanted}")
+        refusing = [r for r, m in enumerate(msgs) if m["flags"] & _F_REFUSED]
+        if refusing:
+            problems.append(f"ranks {refusing} refuse this refit: " + ("; ".join(refusal) if refusal else
+                                                                       "their own errors say why"))
     if problems:
         raise ReshardError(f"rank {rank}: refit refused before any byte moved: " + " | ".join(problems))
     wanted = [m["version"] for m in msgs if m["flags"] & _F_EXPLICIT]

@@ -167,7 +167,7 @@ class Resharder:
 
     # ------------------------------------------------------------------ refit
 
-    def refit(self, version: int | None = None) -> dict:
+    def refit(self, version: int | None = None, *, refusal: list[str] | None = None) -> dict:
         """Move every byte of the plan once (collective); returns counts (messages and bytes sent by
         this rank) and the version.
 
@@ -179,11 +179,15 @@ class Resharder:
         operations pending on the group the refit is refused on every rank: call :meth:`rebind`
         with a fresh group on every rank, then ``refit()`` again.  The caller must not write the
         source tensors while a refit runs (``verify=True`` detects it).
+
+        ``refusal``: reasons this rank found not to refit (an integration's own checks, e.g. an
+        engine parameter replaced after binding): non-empty, every rank raises
+        :class:`ReshardError` in the refit start, before any byte moves, this rank naming them.
         """
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version={version!r}: must be a non-negative integer (or None)")
         with group_guard(self.group, self.rank, "refit"), torch.no_grad():
-            return run_refit(self, version)
+            return run_refit(self, version, refusal)
 
     def overlapped(self) -> bool:
         """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.

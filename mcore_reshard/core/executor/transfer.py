@@ -168,14 +168,15 @@ def confirm(r, v: int, problems: list[str]) -> None:
         raise TransferError(text, version=v, round=0, peers=failed)
 
 
-def run_refit(r, version: int | None) -> dict:
-    """Refit start (agreed version), transfer, confirmation; records an interruption on ``r``."""
+def run_refit(r, version: int | None, refusal: list[str] | None = None) -> dict:
+    """Refit start (agreed version), transfer, confirmation; records an interruption on ``r``.
+    ``refusal``: this rank's reasons to refuse (every rank then raises before a byte moves)."""
     proposal = r.version + 1 if version is None else version
     t0 = time.monotonic()
     try:
         v = refit_start(r.group, rank=r.rank, digest=r._digest, token=r._token, proposal=proposal,
                         explicit=version is not None, options=r._options(), dirty=r._dirty,
-                        timeout=r.timeout_s)
+                        timeout=r.timeout_s, refusal=refusal)
     except ReshardError:
         raise        # refused on every rank before any byte moved; nothing changed here
     except BaseException as e:  # noqa: BLE001 - a peer died or the group is broken
