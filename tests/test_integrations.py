@@ -485,3 +485,28 @@ def test_examples_without_engine(script):
     assert out.returncode == 0 and "not installed" in out.stdout, out.stdout + out.stderr
     out = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "trainer" in out.stdout, out.stdout + out.stderr
+
+
+def test_loader_casts_floating_only():
+    """``allow_cast="loader"`` (the engine integrations' default): floating-point casts as an engine's
+    ``load_weights`` makes them, anything else refused naming the tensor; the planner keeps refusing."""
+    from mcore_reshard.core.layout import Layout, LayoutError
+    from mcore_reshard.core.planner import PlanError, make_plan
+    from mcore_reshard.integrations.protocol import loader_casts
+
+    def lay(**dtypes):
+        out = Layout()
+        for name, dt in dtypes.items():
+            out.add_tensor(name, (4,), dt)
+        return out
+    assert loader_casts(lay(w="float32", b="float32"), lay(w="float32", b="float32")) is False
+    assert loader_casts(lay(w="float32", b="bfloat16"), lay(w="bfloat16", b="float32")) is True
+    with pytest.raises(LayoutError, match=r"1 tensor\(s\) would need a cast no engine loader makes: idx \(int64 -> float32\)"):
+        loader_casts(lay(w="float32", idx="int64"), lay(w="bfloat16", idx="float32"))
+    src, dst = build_layout(layout_spec("hf", CFG, rank=0, dtype="float32")), build_layout(
+        layout_spec("hf", CFG, rank=0, dtype="bfloat16"))
+    with pytest.raises(PlanError, match="allow_cast"):
+        make_plan(src, dst)
+    assert loader_casts(src, dst) is True
+    with pytest.raises(ValueError, match="allow_cast='bogus'"):
+        join_refit(None, allow_cast="bogus")

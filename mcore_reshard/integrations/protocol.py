@@ -289,11 +289,12 @@ def engine_destination(rank: int, spec: Mapping, tensors: Mapping[str, torch.Ten
         return None, {}, f"rank {rank}: {type(e).__name__}: {e}"
 
 
-def timed_refit(resharder: Resharder, rank: int, version: int | None) -> dict:
-    """One refit of an engine rank (``copy_`` into its parameters), synchronised on CUDA, timed."""
+def timed_refit(resharder: Resharder, rank: int, version: int | None, *, refusal: list[str] | None = None) -> dict:
+    """One refit of an engine rank (``copy_`` into its parameters), synchronised on CUDA, timed.
+    ``refusal``: this rank's reasons not to refit (every rank then refuses before a byte moves)."""
     t0 = time.monotonic()
     with torch.no_grad():
-        stats = resharder.refit(version)
+        stats = resharder.refit(version, refusal=refusal) if refusal else resharder.refit(version)
     if torch.cuda.is_available() and any(t.is_cuda for t in resharder.dst.values()):
         torch.cuda.synchronize()
     return {"rank": rank, **stats, "seconds": round(time.monotonic() - t0, 3)}
@@ -350,7 +351,7 @@ def _as_payload(side: str, value, rank: int) -> tuple[dict | None, dict | None]:
 
 def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | None = None, dst=None,
                dst_tensors: Mapping[str, torch.Tensor] | None = None, *, error: str | None = None,
-               budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False, ignore_unused: bool = False,
+               budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader", ignore_unused: bool = False,
                timeout: float | None = None, verify: bool = False) -> Resharder:
     """Collective over ``group``: exchange what each rank brings, plan, bind (see the module doc).
 
@@ -358,9 +359,15 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
     canonical tensor names), a :func:`layout_spec` dict, or None.  ``src_tensors`` / ``dst_tensors``:
     this rank's real tensors by buffer name.  ``error``: a problem this rank already found (e.g.
     :func:`check_tensors`); it makes every rank raise before anything moves.  The plan options must
-    be the same on every rank.  Returns the :class:`Resharder` (``.plan`` holds the plan)."""
+    be the same on every rank.  ``allow_cast``: ``"loader"`` (default) casts between floating-point
+    dtypes where source and destination differ, as every engine's ``load_weights`` does (``copy_``,
+    round to nearest even: Megatron's fp32 router bias or norms into a bf16 engine are bit-equal to
+    the engine's own load of an HF export), and refuses any other cast; ``True`` any cast the
+    planner allows; ``False`` none.  Returns the :class:`Resharder` (``.plan`` holds the plan)."""
+    if allow_cast != "loader" and not isinstance(allow_cast, bool):
+        raise ValueError(f"allow_cast={allow_cast!r}: expected 'loader', True or False")
     rank = dist.get_rank(group)
-    options = {"budget_bytes": int(budget_bytes), "allow_cast": bool(allow_cast), "ignore_unused": bool(ignore_unused),
+    options = {"budget_bytes": int(budget_bytes), "allow_cast": allow_cast, "ignore_unused": bool(ignore_unused),
                "verify": bool(verify)}
     payload: dict[str, Any] = {"rank": rank, "error": error, "options": options}
     try:
@@ -381,9 +388,27 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
     with all_or_none(group, timeout=timeout):    # deterministic, but still exchanged so nobody waits
         src_layout = _side(parts, "src")
         dst_layout = _side(parts, "dst")
-        plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=allow_cast,
+        cast = loader_casts(src_layout, dst_layout) if allow_cast == "loader" else bool(allow_cast)
+        plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=cast,
                          ignore_unused=ignore_unused)
     return Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+
+
+FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
+
+
+def loader_casts(src: Layout, dst: Layout) -> bool:
+    """Whether the plan must cast (``allow_cast="loader"``): True when some tensor's source and
+    destination dtypes differ and every such pair is floating point; raises :class:`LayoutError`
+    naming the tensors whose cast an engine's loader would not make (integer, FP8)."""
+    differ = [(n, src.tensors[n].dtype, m.dtype) for n, m in sorted(dst.tensors.items())
+              if n in src.tensors and src.tensors[n].dtype != m.dtype]
+    bad = [f"{n} ({a} -> {b})" for n, a, b in differ if a not in FLOATING or b not in FLOATING]
+    if bad:
+        raise LayoutError(f"{len(bad)} tensor(s) would need a cast no engine loader makes: {', '.join(bad[:8])}"
+                          + (" ..." if len(bad) > 8 else "") + " (allow_cast='loader' casts between floating-point "
+                          "dtypes only; pass allow_cast=True on every rank to allow it)")
+    return bool(differ)
 
 
 def megatron_source(chunks, rank: int, *, family: str = "auto", vocab_size: int | None = None) -> tuple[Layout, dict]:
@@ -400,5 +425,5 @@ def megatron_source(chunks, rank: int, *, family: str = "auto", vocab_size: int 
     return canonicalize(layout, fam, config), tensors
 
 
-__all__ = ["build_layout", "check_tensors", "config_from_json", "config_to_json", "join_group", "join_refit",
+__all__ = ["FLOATING", "build_layout", "check_tensors", "loader_casts", "config_from_json", "config_to_json", "join_group", "join_refit",
            "layout_spec", "leave_group", "live_tensors", "megatron_source", "rank_part", "spec_text"]

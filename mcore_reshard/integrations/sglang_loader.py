@@ -174,7 +174,7 @@ class SGLangRefit:
         return {"rank": rank}
 
     def prepare(self, model, spec: Mapping | None = None, *, layout: Mapping | None = None, mtp: bool | str = "auto",
-                budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False, ignore_unused: bool = False,
+                budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader", ignore_unused: bool = False,
                 verify: bool = False, ignore_params: Iterable[str] = ()) -> dict:
         """Check the live parameters against this rank's part of the layout, then plan and bind
         (collective with the trainer's :func:`join_refit`; plan options must match it)."""
