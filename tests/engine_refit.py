@@ -167,6 +167,29 @@ def compare(model, ref_model) -> tuple[int, list[str]]:
     return n, errs
 
 
+def compare_derived(model, ref_model) -> tuple[dict, list[str]]:
+    """Every tensor an engine's post-load processing derived and keeps OUTSIDE its parameters and
+    buffers (SGLang's MLA ``w_kc`` / ``w_vc``, scales, fused or shuffled copies): plain tensor
+    attributes of each module, bit for bit against the reference model's, after its own load
+    (``load_weights``, which ends in ``post_load_weights``).  Returns ({attribute: count}, errors)."""
+    want = dict(ref_model.named_modules())
+    counts: dict[str, int] = {}
+    errs = []
+    for mname, mod in model.named_modules():
+        ref = want.get(mname)
+        for attr, a in vars(mod).items():
+            if not isinstance(a, torch.Tensor) or attr.startswith("_") or isinstance(a, torch.nn.Parameter):
+                continue
+            b = getattr(ref, attr, None) if ref is not None else None
+            counts[attr] = counts.get(attr, 0) + 1
+            if not isinstance(b, torch.Tensor):
+                errs.append(f"{mname}.{attr}: derived after the refit, missing from the reference")
+            elif a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                bad = int((a != b).sum()) if a.shape == b.shape else -1
+                errs.append(f"{mname}.{attr}: refit + post-load != load_weights + post-load ({bad} elements differ)")
+    return counts, errs
+
+
 def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
     import engine_worker
     from types import SimpleNamespace
@@ -191,7 +214,7 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
     for step, case in enumerate(cases, start=1):
         kind = case["kind"]
         if kind in ("megatron", "hf_rank0"):
-            w.mcore_reshard_prepare(ignore_unused=True)
+            w.mcore_reshard_prepare(ignore_unused=True, post_load="none")   # load_weights only: nothing processed
             rep["steps"].append(w.mcore_reshard_refit(step))
         elif kind == "backend":
             from mcore_reshard.integrations import vllm_transfer
@@ -200,7 +223,8 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
             vllm_transfer.register()
             wt = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="mcore_reshard"), vc,
                                                            torch.device("cpu"), model)
-            info = {"init_method": f"tcp://127.0.0.1:{port + 4}", "world_size": 4, "rank_offset": TRAINERS}
+            info = {"init_method": f"tcp://127.0.0.1:{port + 4}", "world_size": 4, "rank_offset": TRAINERS,
+                    "post_load": "none"}
             wt.init_transfer_engine(wt.parse_init_info(info))   # what the worker does on init_weight_transfer_engine
             wt.start_weight_update()
             wt.update_weights({"version": step})
@@ -272,6 +296,8 @@ def sglang_engine(rank: int, port: int, out: str, cases: list) -> dict:
         n, errs = compare(model, ref)
         rep["checked"] += n
         rep["errors"] += [f"{kind}: {e}" for e in errs]
+        rep["derived"], errs = compare_derived(model, ref)
+        rep["errors"] += [f"{kind} (derived): {e}" for e in errs]
         dist.barrier()
     rep["same_storage"] = ptrs == {n: p.data_ptr() for n, p in model.named_parameters()}
     return rep

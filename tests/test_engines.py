@@ -187,7 +187,12 @@ def test_vllm_weight_transfer_backend_lifecycle_and_draft(vllm_refits):
 
 @pytest.mark.parametrize("cid", [c["id"] for c in engine_cases.SGLANG_REFITS])
 def test_sglang_live_refit_equals_engine_load_weights(sglang_refits, cid):
+    """Every parameter, and every tensor SGLang's post-load step derives outside them (MLA ``w_kc`` /
+    ``w_vc`` of each layer: the hook's ``post_load_weights`` after the refit against the reference's
+    own ``load_weights`` + ``post_load_weights``), bit for bit."""
     bad = failures(sglang_refits, cid, keys=("errors",))
     assert not bad, "\n".join(bad)
     engine_ranks = [rep for rep in sglang_refits[cid].values() if rep.get("role") == "engine"]
     assert engine_ranks and all(rep["checked"] > 0 and rep["same_storage"] for rep in engine_ranks)
+    for rep in engine_ranks:
+        assert rep["derived"].get("w_kc", 0) >= 4 and rep["derived"].get("w_kc") == rep["derived"].get("w_vc"), rep["derived"]

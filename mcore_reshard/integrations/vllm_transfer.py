@@ -1,9 +1,12 @@
 """vLLM weight-transfer backend ``mcore_reshard`` (vLLM >= 0.16 ``vllm.distributed.weight_transfer``).
 
-Every tensor goes shard to shard, straight into the live parameter storage of every worker, over the
-project's process-group protocol (:mod:`mcore_reshard.integrations.protocol`): no full-tensor
-broadcast, no ``load_weights``, no fallback.  The MTP draft model is refit through vLLM's draft
-update (``start_draft_weight_update``).
+Every tensor goes shard to shard into every worker, over the project's process-group protocol
+(:mod:`mcore_reshard.integrations.protocol`): no full-tensor broadcast, no ``load_weights``, no
+fallback.  The refit follows vLLM's load lifecycle (:mod:`~mcore_reshard.integrations.vllm_postload`):
+``update_weights`` writes vLLM's loader format (the live parameter where post-load processing leaves
+it alone, a persistent loader-format buffer where it repacks or replaces it), ``finish_weight_update``
+re-runs vLLM's own ``process_weights_after_loading`` over it.  The MTP draft model is refit through
+vLLM's draft update (``start_draft_weight_update``).
 
 Selecting it (one documented call registers both sides; vLLM also runs it in every worker through
 the ``vllm.general_plugins`` entry point this package declares)::
@@ -40,12 +43,14 @@ import torch
 from ..core.executor import ReshardError
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (build_layout, check_tensors, join_group, join_refit, leave_group, live_tensors, rank_part,
+from .protocol import (build_layout, check_tensors, join_group, join_refit, leave_group, rank_part,
                        spec_text, timed_refit)
+from .vllm_postload import PostLoad
 from .vllm_worker import MTP_PREFIX, vllm_coords, vllm_names, vllm_spec
 
 BACKEND = "mcore_reshard"
 PLAN_KEYS = ("budget_bytes", "allow_cast", "ignore_unused", "verify")
+REPORTS_KEPT = 64          # the worker keeps its last refits' reports (a long RL run refits thousands of times)
 
 
 def _plan_kw(d: Mapping) -> dict:
@@ -108,9 +113,10 @@ def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpd
         layout: dict | None = None            # vllm_layout kwargs overriding the engine config's
         ignore_params: list = field(default_factory=list)
         budget_bytes: int = DEFAULT_BUDGET
-        allow_cast: bool = False
+        allow_cast: bool | str = "loader"
         ignore_unused: bool = True
         verify: bool = False
+        post_load: str = "reprocess"          # "none": the model was never processed (a bare model class)
 
     @dataclass
     class McoreReshardUpdateInfo(WeightTransferUpdateInfo):
@@ -130,6 +136,8 @@ def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpd
             self.info: McoreReshardInitInfo | None = None
             self.rank = -1
             self.resharders: dict[str, Any] = {}
+            self.postload: dict[str, PostLoad | None] = {}
+            self.written: set[str] = set()
             self.reports: list[dict] = []
 
         # -------------------------------------------------------------- helpers
@@ -139,14 +147,25 @@ def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpd
         def _is_draft(self) -> bool:
             return self.model is not self._default_model
 
+        def _report(self, rep: dict) -> None:
+            self.reports.append(rep)
+            del self.reports[:-REPORTS_KEPT]
+
         def _destination(self, draft: bool):
-            """(dst part, tensors, error) for the main model or the draft (``mtp.`` buffers only)."""
+            """(dst part, tensors, PostLoad, error) for the main model or the draft (``mtp.`` buffers only).
+
+            The tensors are the model's parameters in vLLM's *loader* format (:class:`PostLoad`):
+            the live parameter where post-load processing leaves it alone, a persistent loader-format
+            buffer where processing repacks or replaces it (re-processed after every refit)."""
             info, rank = self.info, self.rank
             try:
-                models = {"": self._default_model}
                 if draft:
-                    models[MTP_PREFIX] = self.model
-                live, aliases = live_tensors(models)
+                    post = PostLoad({MTP_PREFIX: self.model}, self.model_config, self.device,
+                                    shared={"": self._default_model}, post_load=info.post_load)
+                else:
+                    post = PostLoad({"": self._default_model}, self.model_config, self.device,
+                                    post_load=info.post_load)
+                live, aliases = post.tensors, post.aliases
                 names = vllm_names(self._view(), live)
                 spec = vllm_spec(self._view(), info.rank_offset, names=names, mtp=draft, layout=info.layout)
                 full = build_layout(spec)
@@ -154,21 +173,22 @@ def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpd
                 keep = (lambda n: n.startswith(MTP_PREFIX)) if draft else (lambda n: not n.startswith(MTP_PREFIX))
                 part = rank_part(full, rank, drop=[n for n in mine if not keep(n)] + list(aliases))
                 tensors = {n: t for n, t in live.items() if keep(n)}
-                errs = check_tensors(part, rank, tensors, what="vLLM parameters", against=spec_text(spec),
-                                     ignore=info.ignore_params)
+                errs = check_tensors(part, rank, tensors, what="vLLM parameters (loader format)",
+                                     against=spec_text(spec), ignore=info.ignore_params)
                 if errs:
-                    return None, {}, " | ".join(errs)
-                return part, {n: t for n, t in tensors.items() if n in part.buffers.get(rank, {})}, None
+                    return None, {}, None, " | ".join(errs)
+                return part, {n: t for n, t in tensors.items() if n in part.buffers.get(rank, {})}, post, None
             except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
-                return None, {}, f"rank {rank}: {type(e).__name__}: {e}"
+                return None, {}, None, f"rank {rank}: {type(e).__name__}: {e}"
 
         def _resharder(self, draft: bool):
             key = "draft" if draft else "main"
             if key not in self.resharders:
-                dst, tensors, error = self._destination(draft)
+                dst, tensors, post, error = self._destination(draft)
                 info = self.info
                 self.resharders[key] = join_refit(self.group, dst=dst, dst_tensors=tensors, error=error,
                                                   timeout=info.timeout_s, **_plan_kw(vars(info)))
+                self.postload[key] = post
             return self.resharders[key]
 
         # -------------------------------------------------------------- vLLM API
@@ -180,11 +200,14 @@ def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpd
                 raise ReshardError(f"worker rank {self.rank} ({c}) is outside world_size {init_info.world_size}")
             self.group = join_group(init_info.init_method, int(init_info.world_size), self.rank,
                                     backend=init_info.group_backend, timeout_s=float(init_info.timeout_s))
-            self.resharders = {}
+            self.resharders, self.postload, self.written = {}, {}, set()
 
         def start_weight_update(self) -> None:
+            """Opens an update.  The loader-format buffers persist across refits (the plan stays
+            bound to them): nothing is restored into the model until :meth:`finish_weight_update`."""
             if self.group is None:
                 raise ReshardError("start_weight_update before init_weight_transfer_engine")
+            self.written = set()
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -192,17 +215,32 @@ def _engine_side(WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpd
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info) -> None:
-            r = self._resharder(self._is_draft())
-            self.reports.append(timed_refit(r, self.rank, update_info.version))
+            draft = self._is_draft()
+            key = "draft" if draft else "main"
+            r = self._resharder(draft)
+            post = self.postload.get(key)
+            refusal = post.check_storage() if post is not None else []
+            self._report(timed_refit(r, self.rank, update_info.version, refusal=refusal))
+            self.written.add(key)
 
         def finish_weight_update(self) -> None:
-            """The post-refit hooks (MLA ``W_UK_T``/``W_UV``, FP8 guard) on the updated model."""
-            self.reports.append({"post_refit": run_post_refit("vllm", [self.model], owners=[], strict=True)})
+            """vLLM's post-load processing over what the update wrote (:meth:`PostLoad.reprocess`), then
+            the post-refit hooks (FP8 guard; MLA ``W_UK_T``/``W_UV`` when processing did not redo them)."""
+            key = "draft" if self._is_draft() else "main"
+            post = self.postload.get(key)
+            rep: dict[str, Any] = {}
+            if post is not None and key in self.written:
+                t0 = time.monotonic()
+                rep["post_load"] = {**post.reprocess(), "seconds": round(time.monotonic() - t0, 4)}
+            skip = ("mla_absorb",) if rep.get("post_load", {}).get("attention") else ()
+            rep["post_refit"] = run_post_refit("vllm", [self.model], owners=[], strict=True, skip=skip)
+            self._report(rep)
+            self.written.discard(key)
 
         def shutdown(self) -> None:
             if self.group is not None:
                 leave_group(self.group)
-            self.group, self.resharders = None, {}
+            self.group, self.resharders, self.postload = None, {}, {}
 
     return {k: v for k, v in locals().items() if k in _LAZY}
 
@@ -225,15 +263,16 @@ def _trainer_side(ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, Weigh
         layout: dict | None = None
         ignore_params: list = field(default_factory=list)
         budget_bytes: int = DEFAULT_BUDGET
-        allow_cast: bool = False
+        allow_cast: bool | str = "loader"
         ignore_unused: bool = True
         verify: bool = False
+        post_load: str = "reprocess"
 
         def worker_info(self) -> dict:
             off = self.trainer_ranks if self.rank_offset is None else self.rank_offset
             return {"init_method": self.init_method, "world_size": self.world_size, "rank_offset": off,
                     "timeout_s": self.timeout_s, "group_backend": self.group_backend, "layout": self.layout,
-                    "ignore_params": list(self.ignore_params), **_plan_kw(vars(self))}
+                    "ignore_params": list(self.ignore_params), "post_load": self.post_load, **_plan_kw(vars(self))}
 
     class MegatronSource(WeightSource):
         """A trainer rank's live Megatron-Core chunks as a vLLM ``WeightSource``: ``metadata`` names

@@ -38,8 +38,8 @@ import torch
 from ..core.executor import ReshardError, dtype_name
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (engine_destination, join_group, join_refit, layout_spec, leave_group, live_tensors,
-                       timed_refit)
+from .protocol import engine_destination, join_group, join_refit, layout_spec, leave_group, timed_refit
+from .vllm_postload import PostLoad
 
 MTP_PREFIX = "mtp."
 
@@ -144,6 +144,10 @@ class McoreReshardWorkerExtension:
             models[MTP_PREFIX] = draft
         return models
 
+    def _mr_device(self):
+        dev = getattr(self, "device", None) or getattr(getattr(self, "model_runner", None), "device", None)
+        return dev if dev is not None else torch.device("cpu")
+
     def _mr_has_drafter(self) -> bool:
         return getattr(getattr(getattr(self, "model_runner", None), "drafter", None), "model", None) is not None
 
@@ -163,30 +167,35 @@ class McoreReshardWorkerExtension:
         return {"rank": rank, "world_size": int(world_size), **c}
 
     def mcore_reshard_prepare(self, spec: Mapping | None = None, *, layout: Mapping | None = None, names: str = "auto",
-                              mtp: bool | str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
-                              ignore_unused: bool = False, verify: bool = False, ignore_params: tuple = ()) -> dict:
+                              mtp: bool | str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader",
+                              ignore_unused: bool = False, verify: bool = False, ignore_params: tuple = (),
+                              post_load: str = "reprocess") -> dict:
         """Plan and bind (collective with the trainer ranks' :func:`join_refit`; once, or again after
         the deployment changes).
 
         ``spec``: the destination :func:`layout_spec` (default: built from the engine config by
         :func:`vllm_spec`, ``layout`` overriding its kwargs).  ``names``: ``"current"`` /
         ``"legacy"`` expert parameter names, ``"auto"`` from the live names.  ``mtp``: include the
-        MTP drafter (``"auto"``: when the worker has one).  Plan options (``budget_bytes``,
+        MTP drafter (``"auto"``: when the worker has one).  ``post_load``: ``"reprocess"`` (a served
+        engine: the refit writes vLLM's loader format and re-runs its post-load processing, see
+        :class:`PostLoad`) or ``"none"`` (weights ``load_weights`` wrote that nothing processed).  Plan options (``budget_bytes``,
         ``allow_cast``, ``ignore_unused``, ``verify``) must match the trainer's call.  The live
         parameters are checked against this rank's part of the layout first; a mismatch makes every
         rank raise :class:`ReshardError` before anything moves."""
         st = self._mr()
         if st.get("group") is None:
             raise ReshardError("mcore_reshard_prepare before mcore_reshard_join")
-        rank, mtp_on = st["rank"], False
+        rank, mtp_on, post = st["rank"], False, None
         try:
             mtp_on = self._mr_has_drafter() if mtp == "auto" else bool(mtp)
-            live, aliases = live_tensors(self._mr_models(mtp_on))
+            post = PostLoad(self._mr_models(mtp_on), self.vllm_config.model_config, self._mr_device(),
+                            post_load=post_load)
+            live, aliases = post.tensors, post.aliases
             if spec is None:
                 if names == "auto":
                     names = vllm_names(self, live)
                 spec = vllm_spec(self, st["rank_offset"], names=names, mtp=mtp_on, layout=layout)
-            dst, tensors, error = engine_destination(rank, spec, live, aliases, what="vLLM parameters",
+            dst, tensors, error = engine_destination(rank, spec, live, aliases, what="vLLM parameters (loader format)",
                                                      ignore=ignore_params)
         except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
             error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
@@ -194,30 +203,41 @@ class McoreReshardWorkerExtension:
         r = join_refit(st["group"], dst=dst if error is None else None, dst_tensors=tensors if error is None else {},
                        error=error, budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused,
                        timeout=st["timeout_s"], verify=verify)
-        st.update(resharder=r, spec=spec, mtp=mtp_on, written=sorted(tensors))
+        st.update(resharder=r, spec=spec, mtp=mtp_on, written=sorted(tensors), postload=post)
         return {"rank": rank, "buffers": len(tensors), "plan_hash": r.plan.hash[:16], "rounds": r.plan.rounds,
-                "staging_bytes": r.staging_bytes, "seconds": round(time.monotonic() - t0, 3)}
+                "staging_bytes": r.staging_bytes, "seconds": round(time.monotonic() - t0, 3),
+                "post_load": post.report() if post is not None else None}
 
     def mcore_reshard_refit(self, version: int | None = None, post_refit: bool = True) -> dict:
-        """One refit (collective with the trainer's ``refit()``): ``copy_`` into the existing
-        parameters, then (``post_refit``) :meth:`mcore_reshard_post_refit`."""
+        """One refit (collective with the trainer's ``refit()``): ``copy_`` into the loader-format
+        tensors (:class:`PostLoad`: the live parameter where post-load processing leaves it alone,
+        a persistent buffer where it does not), then vLLM's post-load processing over them
+        (:meth:`PostLoad.reprocess`) and (``post_refit``) :meth:`mcore_reshard_post_refit`.
+        A parameter the engine replaced since prepare makes every rank refuse before a byte moves."""
         st = self._mr()
         r = st.get("resharder")
         if r is None:
             raise ReshardError("mcore_reshard_refit before mcore_reshard_prepare")
-        out = timed_refit(r, st["rank"], version)
+        post = st.get("postload")
+        refusal = post.check_storage() if post is not None else []
+        out = timed_refit(r, st["rank"], version, refusal=refusal)
+        if post is not None:
+            t0 = time.monotonic()
+            out["post_load"] = {**post.reprocess(), "seconds": round(time.monotonic() - t0, 4)}
         if post_refit:
-            out["post_refit"] = self.mcore_reshard_post_refit()
+            out["post_refit"] = self.mcore_reshard_post_refit(
+                skip=("mla_absorb",) if out.get("post_load", {}).get("attention") else ())
         return out
 
-    def mcore_reshard_post_refit(self, strict: bool = True) -> dict:
+    def mcore_reshard_post_refit(self, strict: bool = True, skip: tuple = ()) -> dict:
         """The vLLM post-refit hooks (:data:`mcore_reshard.integrations.hooks.POST_REFIT` ``["vllm"]``):
         FP8 guard, MLA ``W_UK_T``/``W_UV`` (nothing for views -- bf16, detected by ``data_ptr`` --,
         ``copy_`` for copies), prefix-cache reset on the worker or its model runner if either has
         ``reset_prefix_cache`` (else the report says to call ``llm.reset_prefix_cache()``)."""
         st = self._mr()
         models = list(self._mr_models(bool(st.get("mtp"))).values())
-        rep = run_post_refit("vllm", models, owners=[self, getattr(self, "model_runner", None)], strict=strict)
+        rep = run_post_refit("vllm", models, owners=[self, getattr(self, "model_runner", None)], strict=strict,
+                             skip=skip)
         st["post_refit"] = rep
         return rep
 
