@@ -159,7 +159,7 @@ class PostLoad:
         if reload is not None and _is_attention(module):
             self._attention.append((module, mname))
         if metas and _processes(module):
-            raw = self._materialize(module, metas, reload)
+            raw = _materialize(module, metas, reload)
             for n, p in own.items():                       # built after create_weights ("bias"): not on meta
                 if n not in raw and n in skip - _load_skip(reload):
                     raw[n] = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
@@ -193,21 +193,6 @@ class PostLoad:
         self.tensors[name] = p.detach()
         self.paths.direct.append(name)
         self._bound[name] = (module, pname, p.data_ptr(), tuple(p.shape), tuple(p.stride()))
-
-    @staticmethod
-    def _materialize(module: torch.nn.Module, metas: Mapping[str, torch.Tensor], reload) -> dict:
-        """Zeroed loader-format parameters, of vLLM's own parameter classes and attributes (what the
-        processing reads: ``output_dim``, ``weight_loader``, ...), on the module's device."""
-        _, meta_mod, sanitize = reload
-        device = next((p.device for p in module._parameters.values() if p is not None and not p.is_meta), None)
-        out = {}
-        with torch.device(device or "cpu"):
-            for n, m in metas.items():
-                t = meta_mod.materialize_meta_tensor(sanitize.restore_layer_refs(m, module))
-                with torch.no_grad():
-                    t.zero_()
-                out[n] = t
-        return out
 
     # ------------------------------------------------------------------ every refit
     def check_storage(self) -> list[str]:
@@ -245,28 +230,52 @@ class PostLoad:
                 forced.append(mname)
         for module, _ in self._attention:
             kernels.append((module, {n: p for n, p in module._parameters.items() if p is not None}))
-        replaced = []
         with torch.no_grad():
             for model in self.models.values():
                 process_weights_after_loading(model, self.model_config, self.device)
-            for module, kernel in kernels:
-                for n, old in kernel.items():
-                    new = module._parameters.get(n)
-                    if new is None or new is old:
-                        module._parameters[n] = old
-                        continue
-                    if (new.shape, new.dtype, new.stride()) == (old.shape, old.dtype, old.stride()):
-                        if new.data_ptr() != old.data_ptr():
-                            old.data.copy_(new.data)
-                        module._parameters[n] = old
-                    else:
-                        replaced.append(n)
+            replaced = _restore_kernels(kernels)
         return {"reprocessed": len(self._raw), "attention": len(self._attention), "first_load_branch": forced,
                 "replaced": replaced}
 
     def report(self) -> dict:
         return {"recorded": self.recorded, "direct": len(self.paths.direct), "reprocess": len(self.paths.reprocess),
                 "derived": len(self.paths.derived)}
+
+
+def _materialize(module: torch.nn.Module, metas: Mapping[str, torch.Tensor], reload) -> dict:
+    """Zeroed loader-format parameters, of vLLM's own parameter classes and attributes (what the
+    processing reads: ``output_dim``, ``weight_loader``, ...), on the module's device."""
+    _, meta_mod, sanitize = reload
+    device = next((p.device for p in module._parameters.values() if p is not None and not p.is_meta), None)
+    out = {}
+    with torch.device(device or "cpu"):
+        for n, m in metas.items():
+            t = meta_mod.materialize_meta_tensor(sanitize.restore_layer_refs(m, module))
+            with torch.no_grad():
+                t.zero_()
+            out[n] = t
+    return out
+
+
+
+def _restore_kernels(kernels: list) -> list[str]:
+    """After processing: each kernel tensor (``(module, {name: tensor})`` saved before it) gets the
+    processed values copied into its own storage and is registered again (the storage CUDA graphs
+    captured); a processed tensor of another shape stays registered instead.  Returns those names."""
+    replaced = []
+    for module, kernel in kernels:
+        for n, old in kernel.items():
+            new = module._parameters.get(n)
+            if new is None or new is old:
+                module._parameters[n] = old
+                continue
+            if (new.shape, new.dtype, new.stride()) == (old.shape, old.dtype, old.stride()):
+                if new.data_ptr() != old.data_ptr():
+                    old.data.copy_(new.data)
+                module._parameters[n] = old
+            else:
+                replaced.append(n)
+    return replaced
 
 
 def _key(t: torch.Tensor) -> tuple:
