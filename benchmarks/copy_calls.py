@@ -1,5 +1,5 @@
 """Time per copy: a Python loop of ``copy_`` vs one ``torch._foreach_copy_`` over the same views
-(what the executor's pack / unpack / local copies do, issue #16; BENCHMARKS.md D.2).
+(what the executor's pack / unpack / local copies do; BENCHMARKS.md C.3).
 
     python benchmarks/copy_calls.py            # CPU (one thread), and CUDA when present
 

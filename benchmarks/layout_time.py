@@ -3,7 +3,7 @@ from one JSON part per rank as MegatronRefit does), with the reference loop time
 
     python benchmarks/layout_time.py nccl_m2n      # one JSON line: layout_s, layout_cpu_s, merge_s, loop_s
 
-BENCHMARKS.md A.1.6 ("Layouts built with the collector paused")."""
+BENCHMARKS.md A.2 (layouts built with the collector paused)."""
 import json
 import sys
 import time

@@ -1,4 +1,4 @@
-"""Two-level (NVLink domain / NIC) plans of the full-size configurations (issue #16 part 2).
+"""Two-level (NVLink domain / NIC) plans of the full-size configurations.
 
     python benchmarks/two_level.py nccl_m2n [--budget-mib 256] [--out benchmarks/results/two_level_nccl_m2n.json]
 
@@ -9,8 +9,8 @@ domain receives each needed element once), forwarded bytes, rounds, messages, th
 predicted time and link bound (``costmodel.predict``) and plan time; for the flat plan also what
 ``costmodel.hierarchical`` predicted forwarding would give.  One configuration per process (a
 full-size plan takes GBs): run them one at a time.  ``--quick [--nic-pace X] [--copy-share N]``: the
-two-level plan alone, one JSON line (A.2.4's experiments).  ``python benchmarks/two_level.py --table
-benchmarks/results/two_level_*.json`` prints the BENCHMARKS.md A.2 table.
+two-level plan alone, one JSON line.  ``python benchmarks/two_level.py --table
+benchmarks/results/two_level_*.json`` prints the BENCHMARKS.md A.3 table.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _numbers(plan, topo, plan_s: float) -> dict:
     from mcore_reshard.core.planner.topology import Topology, link_stats
     from mcore_reshard.tools import costmodel
     p = costmodel.predict(plan, topo)
-    serial = costmodel.paced(plan, topo, pipelined=False)      # A.2.1's model: every copy after the wire
+    serial = costmodel.paced(plan, topo, pipelined=False)      # every copy after the wire
     links = link_stats(plan.messages, Topology.of(topo))
     return {"plan_s": plan_s, "rounds": plan.rounds, "messages": len(plan.messages),
             "copies": sum(len(m.entries) for m in plan.messages) + len(plan.local_copies),
@@ -99,7 +99,7 @@ def run(name: str, budget: int) -> dict:
 
 
 def table(paths: list[str]) -> str:
-    """The BENCHMARKS.md A.2 table of saved results."""
+    """The BENCHMARKS.md A.3 table of saved results."""
     gb = 1e9
     rows = ["| config (topology) | NIC GB flat | NIC GB two-level | hierarchical bound GB | NVLink GB (forwarded) | "
             "rounds flat → two-level | predicted s flat → two-level | paced s flat → two-level | link bound s (two-level) | "

@@ -1,7 +1,7 @@
 """The overlapped (gloo) round's receive loop, in process with a stand-in for ``torch.distributed``
 (no process group): every receive is unpacked once, into its own destination, and the loop polls
 each peer's oldest pending receive only -- O(receives + peers) ``is_completed`` calls, not one per
-pending receive per step (BENCHMARKS.md D.2 run 5: ~500 receives per rank made that quadratic)."""
+pending receive per step (BENCHMARKS.md C.3: ~500 receives per rank made that quadratic)."""
 from __future__ import annotations
 
 from types import SimpleNamespace as NS

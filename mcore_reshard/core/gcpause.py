@@ -3,7 +3,7 @@
 Building a full-size layout or plan allocates millions of small acyclic objects (boxes, pieces,
 buffers, copy tuples); every few hundred allocations the collector rescans the young objects, and
 every so often the whole (large, long-lived) heap, for nothing: 15-55% of a full-size layout build
-(BENCHMARKS.md A.1.6).  Nothing here makes cycles, so pausing loses nothing; the collector's
+(BENCHMARKS.md A.2).  Nothing here makes cycles, so pausing loses nothing; the collector's
 state is restored on exit (it nests: an inner pause leaves an outer one in place)."""
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def use_overlap(group, overlap: bool | None) -> bool:
 def copy_all(dsts: list, srcs: list) -> None:
     """``dsts[k].copy_(srcs[k])`` for every k in ONE ``torch._foreach_copy_`` (a bounded number of
     launches per list on a GPU: multi-tensor kernels instead of one launch per copy; on CPU it
-    costs ~40% less per small copy than a Python loop of ``copy_``, BENCHMARKS.md D.2)."""
+    costs ~40% less per small copy than a Python loop of ``copy_``, BENCHMARKS.md C.3)."""
     if dsts:
         torch._foreach_copy_(dsts, srcs)
 

@@ -60,7 +60,7 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     first use, one rank's part without the others') -- unless its rounds exceed
     ``ROUND_SLACK`` x the fewest possible (the busiest rank's bytes / budget): then the
     copy-by-copy plan.  (The templated plan places every instance's messages one by one, so its
-    rounds are near that bound on every full-size configuration measured: BENCHMARKS.md A.1.1.)
+    rounds are near that bound on every full-size configuration measured: BENCHMARKS.md A.1.)
     ``"always"``: the templated plan whatever its rounds; False: always the copy-by-copy plan.
 
     ``topology`` (:class:`~.topology.Topology`, a domain size, a rank -> domain list, or a

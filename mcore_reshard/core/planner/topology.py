@@ -320,7 +320,7 @@ def pack_busiest_first(copies: list[tuple], budget: int, domain=None) -> tuple[d
     round lasts as long as its slowest NIC).  A first fit over all copies largest first
     (:func:`~.rounds._pack_rounds`, flat plans) fills early rounds with whatever is largest and
     leaves the critical ranks' peers short in them.  On the full-size configurations this is what
-    brings the cost model's paced time near the link bound (BENCHMARKS.md A.2.1, A.2.2).  A round
+    brings the cost model's paced time near the link bound (BENCHMARKS.md A.3).  A round
     that places nothing this way places the first pair's largest copy alone (every copy fits an
     empty budget), so every round places something.
 
