@@ -443,6 +443,12 @@ def test_check_tensors_and_live_tensors():
     assert "missing: model.norm.weight [64] float32 (the model has model.norm.weights)" in errs
     assert "not in the layout (would keep stale weights): model.norm.weights" in errs
     assert "of another shape or dtype: lm_head.weight [3, 64] float32 (layout: [64, 64] float32)" in errs
+    assert "post-load" not in errs
+    # an engine that emptied a parameter after loading (vLLM's CPU linears): the message says why
+    tensors["lm_head.weight"] = torch.empty(0)
+    errs = " | ".join(check_tensors(lay, OFFSET, tensors, what="vLLM parameters"))
+    assert ("lm_head.weight [0] float32 (layout: [64, 64] float32) -- empty: the engine's post-load processing "
+            "moved this weight elsewhere") in errs and "post_load='reprocess'" in errs
     # a drafter sharing the target's embedding: listed once, the alias reported
     draft = torch.nn.Module()
     draft.embed = model.model.embed_tokens.weight

@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import difflib
 import hashlib
+import math
 import re
 import time
 from typing import Any, Iterable, Mapping
@@ -250,7 +251,10 @@ def check_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor]
     for name in sorted(set(want) & set(have)):
         b, t = want[name], have[name]
         if tuple(t.shape) != tuple(b.shape) or dtype_name(t.dtype) != b.dtype:
-            bad.append(f"{name} {list(t.shape)} {dtype_name(t.dtype)} (layout: {list(b.shape)} {b.dtype})")
+            why = (" -- empty: the engine's post-load processing moved this weight elsewhere (a packed kernel "
+                   "handle); refit it through the engine's load lifecycle (vLLM: post_load='reprocess')"
+                   if t.numel() == 0 and math.prod(b.shape) > 0 else "")
+            bad.append(f"{name} {list(t.shape)} {dtype_name(t.dtype)} (layout: {list(b.shape)} {b.dtype}){why}")
     parts = []
     if missing:
         items = []
