@@ -139,11 +139,14 @@ def trainer(rank: int, port: int, out: str, cases: list) -> dict:
 
                 def finish_weight_update(self, weight_version=None):
                     calls.append(("finish",))
+
+                def reset_prefix_cache(self):
+                    calls.append(("reset_prefix_cache",))
             info = vllm_transfer.McoreReshardTrainerInitInfo(
                 init_method=f"tcp://127.0.0.1:{port + 4}", world_size=4, trainer_ranks=TRAINERS, rank=rank)
             src = vllm_transfer.MegatronSource(chunks, rank)
             eng = WeightTransferTrainerFactory.trainer_init(info, client=Client(), source=src)
-            eng.send_weights(version=step)
+            rep["prefix_cache_reset"] = eng.send_weights(version=step).get("prefix_cache_reset")  # the sender only
             eng.send_weights(draft=True, version=step)        # the MTP draft model
             rep["calls"] = [c[0] for c in calls]
             rep["worker_info"] = info.worker_info()

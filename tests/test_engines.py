@@ -179,7 +179,9 @@ def test_vllm_live_refit_equals_engine_load_weights(vllm_refits, cid):
 def test_vllm_weight_transfer_backend_lifecycle_and_draft(vllm_refits):
     """The backend went through vLLM's factories and lifecycle, the MTP draft model through the draft update."""
     reps = vllm_refits["weight-transfer-backend"]
-    assert reps[0]["calls"] == ["init", "start", "update", "finish", "start_draft", "update", "finish"]
+    assert reps[0]["calls"] == ["init", "start", "update", "finish", "reset_prefix_cache", "start_draft", "update",
+                                "finish"]
+    assert reps[0]["prefix_cache_reset"] is True
     for rep in (r for r in reps.values() if r.get("role") == "engine"):
         assert rep["backend"] == "McoreReshardWeightTransferEngine"
         assert rep["draft_checked"] > 0 and rep["draft_same_storage"]

@@ -336,7 +336,12 @@ def _trainer_side(ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, Weigh
             return timed_refit(self.resharders[key], self.info.rank, version)
 
         def send_weights(self, draft: bool = False, version: int | None = None) -> dict:
-            """One refit of the engine's model (``draft=True``: its MTP draft model), every trainer rank."""
+            """One refit of the engine's model (``draft=True``: its MTP draft model), every trainer rank.
+
+            After the main model's update the sender asks the engine to drop its prefix (KV) cache,
+            computed with the old weights, through ``client.reset_prefix_cache()`` when the client has
+            it (vLLM's ``LLM`` / ``AsyncLLM`` do; the scheduler, not the workers, owns that cache);
+            ``rep["prefix_cache_reset"]`` says whether it did (if not, the caller must)."""
             self.version = self.version + 1 if version is None else int(version)
             v, c = self.version, self.client
             if self.is_sender:
@@ -349,6 +354,10 @@ def _trainer_side(ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, Weigh
             rep = self._call(lambda: c.update_weights({"version": v}), lambda: self._refit("draft" if draft else "main", v))
             if self.is_sender:
                 c.finish_weight_update()
+                reset = None if draft else getattr(c, "reset_prefix_cache", None)
+                if reset is not None:
+                    reset()
+                rep["prefix_cache_reset"] = reset is not None
             rep["seconds_total"] = round(time.monotonic() - t0, 4)
             return rep
 
