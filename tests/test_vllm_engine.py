@@ -92,3 +92,26 @@ def test_replaced_parameter_refused_on_every_rank(run):
         assert t["error"] is not None and "ReshardError" in t["error"] and "refuse this refit" in t["error"], (r, t)
     # nothing moved: the engine still generates what the last refit wrote
     assert eng["after_refusal"] == run["reference"][SCHEDULE[-1][1]]["generated"]
+
+
+@pytest.fixture(scope="module")
+def prefix_run(tmp_path_factory) -> dict:
+    """A Llama-style engine (no MLA: the CPU engine keeps its prefix cache on, 32-token blocks) refit
+    twice through the backend, generating 40-token prompts before and after ``reset_prefix_cache()``."""
+    py = _engine_python()
+    try:
+        return launch(str(tmp_path_factory.mktemp("vllm-engine-prefix")), 1, py, model="llama")
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+def test_refit_needs_the_prefix_cache_dropped(prefix_run):
+    """What a refit does to the prefix cache: prompts whose first block the cache holds from the old
+    weights generate neither the old nor the new weights' tokens until ``reset_prefix_cache()``, after
+    which they equal a fresh load exactly (hence the trainer engine's ``client.reset_prefix_cache()``)."""
+    ref = prefix_run["reference"]
+    assert ref["v1"]["generated"] != ref["v2"]["generated"]
+    for rec in prefix_run["engine"]["refits"]:
+        want = ref[rec["version"]]["generated"]
+        assert rec["before_reset"] != want, rec["version"]
+        assert rec["generated"] == want, rec["version"]

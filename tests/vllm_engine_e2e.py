@@ -31,11 +31,25 @@ TRAINERS = 2
 WIDTHS = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, q_lora_rank=64, kv_lora_rank=512,
               qk_head_dim=32, qk_pos_emb_head_dim=64, v_head_dim=32, moe_ffn_hidden_size=64)
 PROMPTS = [[3, 17, 42, 9], [5, 5, 5, 5, 5, 5, 5, 5], [100, 7, 64, 12, 1, 88], [11, 12]]
+# 40 tokens: one full 32-token KV block each, which the prefix cache keeps and reuses
+LONG_PROMPTS = [[(7 * i + j) % 128 for j in range(40)] for i in range(4)]
 TOKENS = 8
 # (path, weight version): the refits the engine receives, in order
 SCHEDULE = [("backend", "v1"), ("backend", "v2"), ("backend", "v1"),
             ("extension", "v2"), ("extension", "v1"), ("extension", "v2")]
 EXTENSION = "mcore_reshard.integrations.vllm_worker.McoreReshardWorkerExtension"
+# the models: "dsv3" is the refit test proper; "llama" (no MLA, so the CPU engine keeps its prefix
+# cache) shows what a refit does to the prefix cache: generated before and after reset_prefix_cache()
+MODELS = {
+    "dsv3": {"builder": "build_dsv3_tiny", "parallel": {"tp": 2, "ep": 2, "etp": 1},
+             "kwargs": {"mtp": False, "num_layers": 2, "topk": 4, "widths": WIDTHS}, "schedule": SCHEDULE,
+             "prompts": PROMPTS, "engine": {}, "refuse_replaced": True},
+    # CPU attention kernels take head_dim >= 32
+    "llama": {"builder": "build_gqa_dense_tiny", "parallel": {"tp": 2},
+              "kwargs": {"num_layers": 2, "num_attention_heads": 2, "num_query_groups": 2, "kv_channels": 32},
+              "schedule": [("backend", "v1"), ("backend", "v2")], "prompts": LONG_PROMPTS,
+              "engine": {"enable_prefix_caching": True, "block_size": 32}, "refuse_replaced": False},
+}
 
 
 def _group(workdir: str, path: str) -> str:
@@ -44,7 +58,7 @@ def _group(workdir: str, path: str) -> str:
 
 # ----------------------------------------------------------------------------------- trainer
 
-def trainer(workdir: str, tp: int) -> None:
+def trainer(workdir: str, tp: int, model: str = "dsv3") -> None:
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +69,9 @@ def trainer(workdir: str, tp: int) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    megatron_cpu.init_megatron(tp=2, ep=2, etp=1)
-    chunks = megatron_cpu.build_dsv3_tiny(dtype=torch.float32, mtp=False, num_layers=2, topk=4, widths=WIDTHS)
+    m = MODELS[model]
+    megatron_cpu.init_megatron(**m["parallel"])
+    chunks = getattr(megatron_cpu, m["builder"])(dtype=torch.float32, **m["kwargs"])
     live = [t for c in chunks for t in list(c.parameters()) + list(c.buffers())]
     versions = {}
     for step, name in enumerate(("v1", "v2"), start=1):
@@ -68,7 +83,7 @@ def trainer(workdir: str, tp: int) -> None:
         open(os.path.join(workdir, "exported"), "w").close()
     src, tensors = megatron_source(chunks, rank)
     resharders = {}
-    for step, (path, version) in enumerate(SCHEDULE, start=1):
+    for step, (path, version) in enumerate(m["schedule"], start=1):
         with torch.no_grad():
             for t, v in zip(live, versions[version]):
                 t.copy_(v)
@@ -78,6 +93,9 @@ def trainer(workdir: str, tp: int) -> None:
             resharders[path] = join_refit(g, src=src, src_tensors=tensors, ignore_unused=path == "backend",
                                           timeout=600)
         resharders[path].refit(step)
+    if not m["refuse_replaced"]:
+        dist.barrier()
+        return
     # the engine replaces model.norm.weight after binding: every rank must refuse, nothing moves
     try:
         resharders["extension"].refit(len(SCHEDULE) + 1)
@@ -90,16 +108,16 @@ def trainer(workdir: str, tp: int) -> None:
 
 # ----------------------------------------------------------------------------------- engines
 
-def _llm(model: str, tp: int, load_format: str, **kw):
+def _llm(path: str, tp: int, load_format: str, model: str, **kw):
     from vllm import LLM
-    return LLM(model=model, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16", enforce_eager=True,
-               max_model_len=64, tensor_parallel_size=tp, seed=0, **kw)
+    return LLM(model=path, skip_tokenizer_init=True, load_format=load_format, dtype="bfloat16", enforce_eager=True,
+               max_model_len=64, tensor_parallel_size=tp, seed=0, **MODELS[model]["engine"], **kw)
 
 
-def generate(llm) -> list:
+def generate(llm, prompts=PROMPTS) -> list:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=1), use_tqdm=False)
     result = []
     for o in outs:
@@ -121,16 +139,18 @@ def wait_for(path: str, timeout: float = 600.0) -> None:
         time.sleep(0.2)
 
 
-def engine(workdir: str, tp: int) -> None:
+def engine(workdir: str, tp: int, model: str = "dsv3") -> None:
     from vllm.config import WeightTransferConfig
+    m = MODELS[model]
     wait_for(os.path.join(workdir, "exported"))      # the trainer's HF export gives the engine its config
     t0 = time.monotonic()
-    llm = _llm(os.path.join(workdir, "v1"), tp, "dummy", worker_extension_cls=EXTENSION,
+    llm = _llm(os.path.join(workdir, "v1"), tp, "dummy", model, worker_extension_cls=EXTENSION,
                weight_transfer_config=WeightTransferConfig(backend="mcore_reshard"))
-    out: dict = {"engine_up_s": round(time.monotonic() - t0, 2), "dummy": generate(llm), "refits": []}
+    prompts = m["prompts"]
+    out: dict = {"engine_up_s": round(time.monotonic() - t0, 2), "dummy": generate(llm, prompts), "refits": []}
     world = TRAINERS + tp
     joined = set()
-    for step, (path, version) in enumerate(SCHEDULE, start=1):
+    for step, (path, version) in enumerate(m["schedule"], start=1):
         rec: dict = {"path": path, "version": version}
         t = time.monotonic()
         if path == "backend":
@@ -157,15 +177,21 @@ def engine(workdir: str, tp: int) -> None:
             rec["reports"] = llm.collective_rpc("mcore_reshard_refit", args=(step,))
             rec["refit_s"] = time.monotonic() - t
         rec["pause_s"] = time.monotonic() - t
-        rec["generated"] = generate(llm)
+        if m["engine"].get("enable_prefix_caching"):
+            rec["before_reset"] = generate(llm, prompts)      # the prefix cache still holds old-weight KV blocks
+            llm.reset_prefix_cache()
+        rec["generated"] = generate(llm, prompts)
         out["refits"].append(rec)
+    if not m["refuse_replaced"]:
+        _write(workdir, f"engine-tp{tp}.json", out)
+        return
     llm.collective_rpc(_replace_norm)
     try:
         llm.collective_rpc("mcore_reshard_refit", args=(len(SCHEDULE) + 1,))
         out["refusal"] = None
     except Exception as e:  # noqa: BLE001 - recorded, judged by the test
         out["refusal"] = f"{type(e).__name__}: {e}"
-    out["after_refusal"] = generate(llm)
+    out["after_refusal"] = generate(llm, prompts)
     _write(workdir, f"engine-tp{tp}.json", out)
 
 
@@ -176,10 +202,10 @@ def _replace_norm(worker) -> None:
     m.norm.weight = torch.nn.Parameter(m.norm.weight.detach().clone(), requires_grad=False)
 
 
-def reference(workdir: str, tp: int, version: str) -> None:
+def reference(workdir: str, tp: int, version: str, model: str = "dsv3") -> None:
     t0 = time.monotonic()
-    llm = _llm(os.path.join(workdir, version), tp, "safetensors")
-    out = {"load_s": round(time.monotonic() - t0, 2), "generated": generate(llm)}
+    llm = _llm(os.path.join(workdir, version), tp, "safetensors", model)
+    out = {"load_s": round(time.monotonic() - t0, 2), "generated": generate(llm, MODELS[model]["prompts"])}
     _write(workdir, f"reference-tp{tp}-{version}.json", out)
 
 
@@ -211,7 +237,7 @@ def _tail(path: str, n: int = 4000) -> str:
         return ""
 
 
-def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.executable) -> dict:
+def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.executable, model: str = "dsv3") -> dict:
     """Trainer + engine (the refits), then the two reference engines; returns every JSON they wrote.
     Raises ``RuntimeError`` with the logs' tails when a process fails."""
     import socket
@@ -224,11 +250,12 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
     with open(tlog, "w") as tout:
         trainer_proc = subprocess.Popen(
             [trainer_python, "-m", "torch.distributed.run", "--nproc-per-node", str(TRAINERS), "--master-port",
-             str(port), script, "trainer", workdir, "--tp", str(tp)], stdout=tout, stderr=subprocess.STDOUT, cwd=ROOT,
+             str(port), script, "trainer", workdir, "--tp", str(tp), "--model", model], stdout=tout, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": ""})
         try:
             with open(elog, "w") as eout:
-                rc = subprocess.run([engine_python, script, "engine", workdir, "--tp", str(tp)], stdout=eout,
+                rc = subprocess.run([engine_python, script, "engine", workdir, "--tp", str(tp), "--model", model],
+                                    stdout=eout,
                                     stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp), timeout=900).returncode
             if rc != 0:
                 raise RuntimeError(f"engine failed (rc {rc}):\n{_tail(elog)}\ntrainer:\n{_tail(tlog)}")
@@ -240,7 +267,8 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
     for version in ("v1", "v2"):
         log = os.path.join(workdir, f"reference-{version}.log")
         with open(log, "w") as out:
-            rc = subprocess.run([engine_python, script, "reference", workdir, "--tp", str(tp), "--version", version],
+            rc = subprocess.run([engine_python, script, "reference", workdir, "--tp", str(tp), "--version", version,
+                                 "--model", model],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp),
                                 timeout=900).returncode
         if rc != 0:
@@ -251,7 +279,8 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
             return json.load(f)
     return {"tp": tp, "engine": load(f"engine-tp{tp}.json"),
             "reference": {v: load(f"reference-tp{tp}-{v}.json") for v in ("v1", "v2")},
-            "trainer_refusal": [load(f"trainer-refusal-rank{r}.json") for r in range(TRAINERS)]}
+            "trainer_refusal": [load(f"trainer-refusal-rank{r}.json") for r in range(TRAINERS)]
+            if MODELS[model]["refuse_replaced"] else None}
 
 
 def main() -> None:
@@ -260,13 +289,14 @@ def main() -> None:
     ap.add_argument("workdir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--version", default="v1")
+    ap.add_argument("--model", default="dsv3", choices=sorted(MODELS))
     a = ap.parse_args()
     if a.role == "trainer":
-        trainer(a.workdir, a.tp)
+        trainer(a.workdir, a.tp, a.model)
     elif a.role == "engine":
-        engine(a.workdir, a.tp)
+        engine(a.workdir, a.tp, a.model)
     else:
-        reference(a.workdir, a.tp, a.version)
+        reference(a.workdir, a.tp, a.version, a.model)
 
 
 if __name__ == "__main__":

@@ -227,17 +227,18 @@ def build_gqa_dense_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
                          qkv_bias: bool = False, sequence_parallel: bool = False,
                          vpp: Optional[int] = None, first_stage_layers: Optional[int] = None,
                          last_stage_layers: Optional[int] = None,
-                         pipeline_layout: Optional[str] = None) -> list:
-    """Tiny Llama/Qwen2-style dense model: hidden 64, 8 heads of 8, ``num_query_groups`` KV groups
-    (GQA; must be divisible by TP), SwiGLU ffn 128, RMSNorm, rope, optional qkv bias (Qwen2) and
-    tied embeddings, vocab 128."""
+                         pipeline_layout: Optional[str] = None, num_attention_heads: int = 8,
+                         kv_channels: int = 8) -> list:
+    """Tiny Llama/Qwen2-style dense model: hidden 64, ``num_attention_heads`` heads of ``kv_channels``
+    (default 8 of 8), ``num_query_groups`` KV groups (GQA; must be divisible by TP), SwiGLU ffn 128,
+    RMSNorm, rope, optional qkv bias (Qwen2) and tied embeddings, vocab 128."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
                              pipeline_layout)
     config = TransformerConfig(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=8, num_query_groups=num_query_groups,
-        kv_channels=8, ffn_hidden_size=128, add_qkv_bias=qkv_bias, layernorm_epsilon=1e-6, **kw)
+        num_layers=num_layers, hidden_size=64, num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups, kv_channels=kv_channels, ffn_hidden_size=128, add_qkv_bias=qkv_bias, layernorm_epsilon=1e-6, **kw)
     return _build_chunks(config, VOCAB, share_embeddings=tied_embeddings, mtp=False)
 
 
