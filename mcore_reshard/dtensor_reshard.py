@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from math import prod
@@ -47,6 +48,7 @@ from torch.distributed.tensor import Partial
 from .core.dtensor import Replicate, Shard, _StridedShard, buffer_for
 from .core.executor import ReshardError, Resharder, all_gather_json, all_or_none
 from .core.executor.common import check_timeout, dtype_name
+from .core.executor.handshake import _checkin, exchange, missing_ranks
 from .core.layout import Layout
 from .core.planner import DEFAULT_BUDGET, Plan, make_plan
 
@@ -133,14 +135,25 @@ def _group_ranks(global_ranks: list[int], group) -> list[int]:
     return out
 
 
+_MESHES: dict = {}     # (id(DeviceMesh), id(group)) -> (the mesh, the group, shape, group ranks)
+
+
 def _mesh_of(mesh, group) -> tuple[list[int], list[int]]:
-    """(shape, row-major group ranks) of a MeshSpec or a DeviceMesh."""
+    """(shape, row-major group ranks) of a MeshSpec or a DeviceMesh (DeviceMeshes remembered:
+    reading ``DeviceMesh.mesh`` costs ~0.5 ms)."""
     if isinstance(mesh, MeshSpec):
         return list(mesh.shape), list(mesh.ranks)
+    known = _MESHES.get((id(mesh), id(group)))
+    if known is not None and known[0] is mesh and known[1] is group:
+        return known[2], known[3]
     ranks = getattr(mesh, "mesh", None)
     if not isinstance(ranks, torch.Tensor):
         raise TypeError(f"mesh={mesh!r}: must be a MeshSpec or a torch DeviceMesh")
-    return list(ranks.shape), _group_ranks([int(r) for r in ranks.flatten().tolist()], group)
+    out = list(ranks.shape), _group_ranks([int(r) for r in ranks.flatten().tolist()], group)
+    if len(_MESHES) > 256:
+        _MESHES.clear()
+    _MESHES[(id(mesh), id(group))] = (mesh, group, *out)
+    return out
 
 
 def _describe(obj, group, rank: int) -> tuple[dict, torch.Tensor | None]:
@@ -229,8 +242,8 @@ def _coord(index: int, shape: Sequence[int]) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- merging
 
-def _merge_side(parts: list[dict], side: str, world: int, problems: list[str]) -> dict:
-    """name -> the one descriptor every reporting rank agrees on (problems appended otherwise)."""
+def _merge_side(parts: list[dict], side: str, world: int, problems: list[str]) -> tuple[dict, set]:
+    """(name -> the one descriptor every reporting rank agrees on, names refused: problems appended)."""
     which = "source" if side == "src" else "destination"
     reports: dict[str, dict[str, list[int]]] = {}
     holders: dict[str, set[int]] = {}
@@ -240,8 +253,9 @@ def _merge_side(parts: list[dict], side: str, world: int, problems: list[str]) -
             reports.setdefault(name, {}).setdefault(key, []).append(r)
             if d["holds"]:
                 holders.setdefault(name, set()).add(r)
-    out = {}
+    out, refused = {}, set()
     for name in sorted(reports):
+        refused.add(name)
         by = reports[name]
         if len(by) > 1:
             shown = "; ".join(f"ranks {rs}: {_desc_text(json.loads(k))}" for k, rs in sorted(by.items(), key=lambda x: x[1]))
@@ -257,7 +271,8 @@ def _merge_side(parts: list[dict], side: str, world: int, problems: list[str]) -
             problems.append(f"{which} tensor {name!r} ({_desc_text(d)}): mesh ranks {missing} pass no local shard of it")
             continue
         out[name] = d
-    return out
+        refused.discard(name)
+    return out, refused
 
 
 def _desc_text(d: dict) -> str:
@@ -284,8 +299,10 @@ def _desc_problem(d: dict, world: int) -> str | None:
     return None
 
 
-def _cross_check(src: dict, dst: dict, allow_cast: bool, problems: list[str]) -> None:
+def _cross_check(src: dict, dst: dict, refused: set, allow_cast: bool, problems: list[str]) -> None:
     for name in sorted(set(src) | set(dst)):
+        if name in refused:
+            continue        # already reported
         if name not in src:
             problems.append(f"tensor {name!r} has a destination ({_desc_text(dst[name])}) but no source on any rank")
         elif name not in dst:
@@ -365,11 +382,8 @@ def _run(local: _Local, group, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast
     timeout = timeout if not bad else None
     key = None if local.errors else _local_key(local, group, options)
     hit = _BOUND.get(key) if key is not None else None
-    # 1. does every rank reuse the same binding?  (tiny: a signature and a binding id per rank)
-    mine = {"sig": hit[0], "token": f"{hit[1]._token:016x}"} if hit else {"sig": None, "token": None}
-    mine["error"] = bool(local.errors)
-    quick = all_gather_json(mine, group, timeout=timeout)
-    if hit and all(q == mine for q in quick):
+    # 1. does every rank reuse the same binding?  (one fixed-size control message per rank)
+    if _reused_everywhere(group, rank, hit, not local.errors, timeout):
         return _refit(key, hit[1], version, reused=True)
     # 2. the full exchange: every rank's descriptors and errors
     parts = all_gather_json({"descs": local.descs, "errors": local.errors, "options": options}, group, timeout=timeout)
@@ -378,9 +392,9 @@ def _run(local: _Local, group, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast
     opts = {json.dumps(p["options"], sort_keys=True) for p in parts}
     if len(opts) > 1:
         problems.append("options differ between ranks: " + "; ".join(sorted(opts)))
-    src = _merge_side(parts, "src", world, problems)
-    dst = _merge_side(parts, "dst", world, problems)
-    _cross_check(src, dst, allow_cast, problems)
+    src, src_refused = _merge_side(parts, "src", world, problems)
+    dst, dst_refused = _merge_side(parts, "dst", world, problems)
+    _cross_check(src, dst, src_refused | dst_refused, allow_cast, problems)
     if problems:
         raise ReshardError(f"reshard refused before any transfer: " + " | ".join(problems))
     sig = hashlib.sha256(json.dumps([src, dst, options], sort_keys=True).encode()).hexdigest()
@@ -394,6 +408,25 @@ def _run(local: _Local, group, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast
     resharder = Resharder(plan, local.tensors["src"], local.tensors["dst"], group, timeout=timeout, verify=verify,
                           layouts=(src_l, dst_l))
     return _refit(key, resharder, version, reused=False, sig=sig)
+
+
+def _reused_everywhere(group, rank: int, hit, ok: bool, timeout) -> bool:
+    """Collective: whether every rank found the same cached binding (signature + binding id)."""
+    t0 = time.monotonic()
+    ticket = _checkin(group)
+    try:
+        msgs = exchange(group, _KIND_REUSE, digest=hit[0] if hit else "", token=hit[1]._token if hit else 0, ok=ok,
+                        timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a peer that died, skipped the call or never joined
+        gone = missing_ranks(ticket)
+        who = f"ranks {gone} did not answer" if gone else "(which ranks did not answer is unknown)"
+        raise ReshardError(f"reshard failed on rank {rank} after {time.monotonic() - t0:.1f} s: {who} (a peer died, "
+                           f"skipped the call or the process group is broken): {type(e).__name__}: {str(e)[:300]}") from e
+    return hit is not None and all(m["kind"] == _KIND_REUSE and m["ok"] and m["digest"] == hit[0]
+                                   and m["token"] == hit[1]._token for m in msgs)
+
+
+_KIND_REUSE = 6
 
 
 def _refit(key, resharder: Resharder, version, *, reused: bool, sig: str | None = None) -> ReshardResult:

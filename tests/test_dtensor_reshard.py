@@ -160,3 +160,16 @@ def test_bad_input_is_refused_on_every_rank():
         last = rows[-1]
         assert last["error"] == "ReshardError" and last["seconds"] < 11, last
         assert "[3]" in last["text"], last["text"]
+
+
+def test_benchmark_smoke():
+    """benchmarks/dtensor_bench.py on 3 tiny tensors: every way bit-exact, bytes at the lower bound (exit 0)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "dtensor_bench.py"), "--tensors", "3",
+                          "--rows", "8", "--cols", "6", "--reps", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| same mesh |" in run.stdout and "| disjoint meshes |" in run.stdout
