@@ -80,7 +80,8 @@ class ShardSpec:
     """One tensor as this rank holds it, without a DTensor: ``local`` (this rank's shard, None on a
     rank outside ``mesh``), ``mesh`` (a :class:`MeshSpec` or a DeviceMesh), ``placements`` (one per
     mesh dim: ``Shard``, ``_StridedShard``, ``Replicate``), the global ``shape`` and, when ``local`` is
-    None, the ``dtype`` (else ``local``'s)."""
+    None, optionally the ``dtype`` (else ``local``'s): a rank outside the mesh may describe the
+    tensor (checked against the mesh ranks' description) or not (``dtype=None``)."""
     local: torch.Tensor | None
     mesh: Any
     placements: Sequence
@@ -156,22 +157,23 @@ def _mesh_of(mesh, group) -> tuple[list[int], list[int]]:
     return out
 
 
-def _describe(obj, group, rank: int) -> tuple[dict, torch.Tensor | None]:
-    """(descriptor, this rank's local tensor or None) of a DTensor or a ShardSpec."""
+def _describe(obj, group, rank: int) -> tuple[dict | None, torch.Tensor | None]:
+    """(descriptor, this rank's local tensor or None) of a DTensor or a ShardSpec; (None, None) for
+    ``ShardSpec(None, ..., dtype=None)``."""
     from torch.distributed.tensor import DTensor
     if isinstance(obj, DTensor):
         shape_, ranks = _mesh_of(obj.device_mesh, group)
         placements, gshape, dtype = list(obj.placements), tuple(obj.shape), obj.dtype
         local = obj.to_local() if rank in ranks else None
     elif isinstance(obj, ShardSpec):
+        if obj.local is None and obj.dtype is None:
+            return None, None           # a rank outside the mesh that does not describe it: the mesh ranks do
         shape_, ranks = _mesh_of(obj.mesh, group)
         placements, gshape = list(obj.placements), tuple(int(s) for s in obj.shape)
         local = obj.local
         if local is not None and not isinstance(local, torch.Tensor):
             raise TypeError(f"ShardSpec.local={type(local).__name__}: must be a torch.Tensor or None")
         dtype = local.dtype if local is not None else obj.dtype
-        if dtype is None:
-            raise ValueError("ShardSpec.dtype is needed when ShardSpec.local is None")
         if local is not None and obj.dtype is not None and obj.dtype != local.dtype:
             raise ValueError(f"ShardSpec.dtype={obj.dtype} but ShardSpec.local is {local.dtype}")
         if local is not None and rank not in ranks:
@@ -210,6 +212,8 @@ def _collect(local: _Local, side: str, entries: Mapping, group, rank: int) -> No
             continue
         try:
             desc, t = _describe(obj, group, rank)
+            if desc is None:
+                continue
             if t is not None:
                 _check_local(name, which, desc, t, rank)
                 local.tensors[side][name] = t

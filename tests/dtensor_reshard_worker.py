@@ -81,7 +81,7 @@ def side(case, which, full, rank, fill=None):
     placements = [placement(p) for p in case[which]["placements"]]
     dm = device_mesh(shape, ranks)
     if rank not in ranks:
-        arg = ShardSpec(None, MeshSpec(shape, ranks), placements, full.shape, full.dtype) if case.get("spec") else None
+        arg = ShardSpec(None, MeshSpec(shape, ranks), placements, full.shape, full.dtype if case["seed"] % 2 else None) if case.get("spec") else None
         return arg, None, dm, placements
     local = torch_local(full, shape, coord_of(rank, shape, ranks), placements)
     if fill is not None:
