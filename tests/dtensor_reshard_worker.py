@@ -231,3 +231,25 @@ def refusals(rank: int, world: int) -> list:
         got["seconds"] = time.monotonic() - t0
         out.append(got)
     return out
+
+
+def subgroup(rank: int, world: int) -> dict:
+    """``group=`` a subgroup of global ranks 1-3: DeviceMesh ranks (global) are translated to group
+    ranks, MeshSpec ranks are group ranks; rank 0 takes no part."""
+    sub = dist.new_group([1, 2, 3])
+    full = full_tensor([6, 4], "float32", 5)
+    src_dm, dst_dm = device_mesh([2], [1, 2]), device_mesh([1], [3])     # every rank creates every mesh
+    if rank == 0:
+        return {"skipped": True}
+    src = DTensor.from_local(torch_local(full, [2], coord_of(rank, [2], [1, 2]), [Shard(0)]), src_dm, [Shard(0)],
+                             run_check=False, shape=full.shape, stride=full.stride()) if rank in (1, 2) else None
+    out = torch.zeros(6, 4)
+    dst = DTensor.from_local(out, dst_dm, [Replicate()], run_check=False) if rank == 3 else None
+    res = mcore_reshard.reshard(src, dst, group=sub, timeout=60)
+    ok = rank != 3 or torch.equal(out, full)
+    # the same with rank lists in group ranks (global 3 is group rank 2)
+    out.zero_()
+    spec = ShardSpec(out, MeshSpec([1], [2]), [Replicate()], [6, 4]) if rank == 3 else None
+    res2 = mcore_reshard.reshard(src, spec, group=sub, timeout=60)
+    ok2 = rank != 3 or torch.equal(out, full)
+    return {"ok": ok, "ok_spec": ok2, "plan_ranks": res.plan.ranks, "network": res2.plan.stats["network_bytes"]}

@@ -80,7 +80,16 @@ def draw_cases(n: int) -> list:
     return out
 
 
-CASES = draw_cases(60)
+# edge cases drawn by hand: a 0-d tensor, a zero-size dim, a negative Shard dim over a permuted 2-D mesh
+EDGE_CASES = [
+    {"shape": [], "dtype": "float32", "seed": 1, "src": {"mesh": [[2], [0, 1]], "placements": [["R"]]},
+     "dst": {"mesh": [[2, 2], [0, 1, 2, 3]], "placements": [["R"], ["R"]]}},
+    {"shape": [0, 5], "dtype": "int64", "seed": 2, "src": {"mesh": [[4], [0, 1, 2, 3]], "placements": [["S", 0]]},
+     "dst": {"mesh": [[2], [2, 3]], "placements": [["S", 1]]}},
+    {"shape": [3, 5], "dtype": "float16", "seed": 3, "src": {"mesh": [[4], [0, 1, 2, 3]], "placements": [["S", 0]]},
+     "dst": {"mesh": [[2, 2], [3, 2, 1, 0]], "placements": [["S", -1], ["SS", 0, 2]]}},
+]
+CASES = draw_cases(60) + EDGE_CASES
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +105,7 @@ def test_cases_cover_the_space():
     kinds = {p[0] for c in CASES for s in ("src", "dst") for p in c[s]["placements"]}
     assert kinds == {"R", "S", "SS"}
     assert {len(c["src"]["mesh"][0]) for c in CASES} == {1, 2, 3}
-    assert {len(c["shape"]) for c in CASES} == {1, 2, 3, 4}
+    assert {len(c["shape"]) for c in CASES} == {0, 1, 2, 3, 4}
     assert len({c["dtype"] for c in CASES}) == len(worker.DTYPES)
     assert any(c["shape"][0] % prod(c["src"]["mesh"][0]) for c in CASES)      # uneven shards
 
@@ -134,6 +143,15 @@ def test_grouped_calls_are_one_refit_with_the_bytes_of_the_dict_call():
         assert r["ok"] and r["ok_whole"], r
         assert r["tensors"] == len(cases)
         assert r["hash"] == r["whole_hash"] and r["network"] == r["whole_network"]
+
+
+def test_subgroup_ranks_are_group_ranks():
+    out = spawn(worker.subgroup, WORLD, timeout=200, pg_timeout=120)
+    assert out[0] == {"skipped": True}
+    for r in out[1:]:
+        assert r["ok"] and r["ok_spec"], r
+        assert r["plan_ranks"] == [0, 1, 2]          # global ranks 1-3 as ranks of the subgroup
+        assert r["network"] == 6 * 4 * 4             # the whole tensor reaches the one destination rank
 
 
 def test_bad_input_is_refused_on_every_rank():
