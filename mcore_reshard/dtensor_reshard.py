@@ -364,8 +364,10 @@ def _local_key(local: _Local, group, options: dict) -> tuple:
     return tuple(parts)
 
 
-def _options(budget_bytes, allow_cast, verify, timeout) -> tuple[dict, list[str]]:
+def _options(budget_bytes, allow_cast, verify, timeout, version) -> tuple[dict, list[str]]:
     errors = []
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        errors.append(f"version={version!r}: must be a non-negative integer (or None)")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1024:
         errors.append(f"budget_bytes={budget_bytes!r}: must be an integer number of bytes >= 1024")
     if not isinstance(allow_cast, bool) or not isinstance(verify, bool):
@@ -381,7 +383,7 @@ def _options(budget_bytes, allow_cast, verify, timeout) -> tuple[dict, list[str]
 def _run(local: _Local, group, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
          verify: bool = False, timeout: float | None = None, version: int | None = None) -> ReshardResult:
     rank = dist.get_rank(group)
-    options, bad = _options(budget_bytes, allow_cast, verify, timeout)
+    options, bad = _options(budget_bytes, allow_cast, verify, timeout, version)
     local.errors += [f"rank {rank}: {e}" for e in bad]
     timeout = timeout if not bad else None
     key = None if local.errors else _local_key(local, group, options)

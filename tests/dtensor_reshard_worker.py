@@ -20,8 +20,8 @@ import mcore_reshard
 from mcore_reshard import MeshSpec, ShardSpec
 from mcore_reshard.core.executor import ReshardError
 
-DTYPES = {n: getattr(torch, n) for n in ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int8",
-                                           "uint8", "bool")}
+DTYPES = {n: getattr(torch, n) for n in ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+                                           "int64", "int32", "int16", "int8", "uint8", "bool")}
 _MESHES: dict = {}
 
 
@@ -50,7 +50,7 @@ def full_tensor(shape, dtype: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if dtype == "bool":
         return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype in ("int64", "int32", "int8", "uint8"):
+    if dtype in ("int64", "int32", "int16", "int8", "uint8"):
         return torch.randint(0, 100, shape, generator=g).to(DTYPES[dtype])
     return torch.randn(shape, generator=g).to(DTYPES[dtype])
 
@@ -128,6 +128,7 @@ def run_cases(rank: int, world: int, cases: list) -> list:
         # is the mesh's order only when its ranks ascend: compared there (the local check covers all)
         ascending = all(case[w]["mesh"][1] == sorted(case[w]["mesh"][1]) for w in ("src", "dst"))
         strided = strided or not ascending
+        strided = strided or case["dtype"].startswith("float8")     # gloo has no float8 collectives
         if dlocal is not None and not case.get("spec") and not strided:
             row["full_ok"] = torch.equal(dst.full_tensor(), full)
         if case["src"]["mesh"] == case["dst"]["mesh"] and dlocal is not None and not strided and not case.get("spec"):
@@ -215,13 +216,15 @@ def refusals(rank: int, world: int) -> list:
             if rank == 0:
                 raise KeyError("boom")
     out.append(_attempt(block, dlocal))
-    # 8. a destination mesh rank passes nothing
+    # 8. only rank 1 passes a bad option
+    out.append(_attempt(lambda: mcore_reshard.reshard(src, dst, timeout=30, version=-1 if rank == 1 else None), dlocal))
+    # 9. a destination mesh rank passes nothing
     out.append(_attempt(lambda: mcore_reshard.reshard(src, None if rank == 3 else dst, timeout=30), dlocal))
     # after all refusals the same call works
     res = mcore_reshard.reshard(src, dst, timeout=30)
     works = dlocal is None or torch.equal(dlocal, torch_local(full, [2], coord_of(rank, [2], [2, 3]), [Shard(1)]))
     out.append({"works": works, "network": res.plan.stats["network_bytes"]})
-    # 9. rank 3 skips the call: the others raise within the timeout (last: the group is broken after it)
+    # 10. rank 3 skips the call: the others raise within the timeout (last: the group is broken after it)
     t0 = time.monotonic()
     if rank == 3:
         time.sleep(12)

@@ -164,6 +164,7 @@ def test_bad_input_is_refused_on_every_rank():
         ("rank 2", "local shard of shape (8, 2)", "(8, 3)"),
         ("rank 1", "DTensor or a ShardSpec", "Tensor"),
         ("rank 0", "KeyError", "boom"),
+        ("rank 1", "version=-1"),
         ("mesh ranks [3] pass no local shard",),
     ]
     for k, needles in enumerate(expected):
