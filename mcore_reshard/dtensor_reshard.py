@@ -6,7 +6,7 @@ placements) in one JSON all-gather, so that a rank holding no DTensor of a side 
 layouts; every rank then builds the same layouts (:mod:`mcore_reshard.core.dtensor`), plans
 (:func:`~mcore_reshard.core.planner.make_plan`, cached by the descriptors' signature) and binds a
 :class:`~mcore_reshard.core.executor.Resharder` (cached while the same local tensors are bound).
-A later call with the same tensors costs one tiny all-gather (every rank confirms it reuses the same
+A later call with the same tensors costs one fixed-size control exchange (every rank confirms it reuses the same
 binding) plus the transfer.  Any bad input on any rank (mismatched global shapes or dtypes between
 the sides, ``Partial``, a rank whose description disagrees with its mesh peers', a local shard of
 the wrong shape) raises :class:`ReshardError` on *every* rank before a byte moves, naming the
@@ -31,7 +31,6 @@ runs them as one plan, one handshake and one refit on exit.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import threading
 import time
@@ -402,7 +401,7 @@ def _run(local: _Local, group, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast
     dst, dst_refused = _merge_side(parts, "dst", world, problems)
     _cross_check(src, dst, src_refused | dst_refused, allow_cast, problems)
     if problems:
-        raise ReshardError(f"reshard refused before any transfer: " + " | ".join(problems))
+        raise ReshardError("reshard refused before any transfer: " + " | ".join(problems))
     sig = hashlib.sha256(json.dumps([src, dst, options], sort_keys=True).encode()).hexdigest()
     with all_or_none(group, timeout=timeout):
         cached = _PLANS.get(sig)
@@ -466,6 +465,9 @@ def reshard(src, dst, group=None, *, name: str | None = None, budget_bytes: int 
     """
     pending = getattr(_ACTIVE, "group", None)
     if pending is not None:
+        if group is not None and group is not pending.group:
+            pending._errors.append(f"rank {dist.get_rank(pending.group)}: reshard(group=...) inside a reshard_group "
+                                   "over another group")
         pending.add(src, dst, name=name)
         return None
     rank = dist.get_rank(group)

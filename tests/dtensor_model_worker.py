@@ -5,7 +5,6 @@ ranks 2-3).  Reference: the model's own full state dict before sharding, and tor
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from hf_tp_layout_worker import tiny
 
