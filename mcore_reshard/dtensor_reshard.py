@@ -260,11 +260,11 @@ def _merge_side(parts: list[dict], side: str, world: int, problems: list[str]) -
     for name in sorted(reports):
         refused.add(name)
         by = reports[name]
-        if len(by) > 1:
+        d = _replicas([json.loads(k) for k in by])
+        if d is None:
             shown = "; ".join(f"ranks {rs}: {_desc_text(json.loads(k))}" for k, rs in sorted(by.items(), key=lambda x: x[1]))
             problems.append(f"{which} tensor {name!r}: ranks describe it differently: {shown}")
             continue
-        d = json.loads(next(iter(by)))
         bad = _desc_problem(d, world)
         if bad:
             problems.append(f"{which} tensor {name!r} ({_desc_text(d)}): {bad}")
@@ -278,8 +278,28 @@ def _merge_side(parts: list[dict], side: str, world: int, problems: list[str]) -
     return out, refused
 
 
+def _replicas(descs: list[dict]) -> dict | None:
+    """One descriptor of a tensor from every distinct description ranks gave: the same one, or the
+    same tensor and placements over several disjoint meshes of one shape (replicas: FSDP2's ``dp``
+    sub-meshes of a parameter TP leaves whole, one per ``tp`` coordinate), ``meshes`` listing them and
+    ``mesh`` all their ranks; None when they contradict each other."""
+    first = descs[0]
+    if len(descs) == 1:
+        return {**first, "meshes": [first["mesh"]]}
+    same = ("shape", "dtype", "mesh_shape", "placements")
+    if any(any(d[k] != first[k] for k in same) for d in descs[1:]):
+        return None
+    meshes = sorted(d["mesh"] for d in descs)
+    flat = [r for m in meshes for r in m]
+    if len(set(flat)) != len(flat):
+        return None         # overlapping meshes that differ: not replicas
+    return {**first, "mesh": sorted(flat), "meshes": meshes}
+
+
 def _desc_text(d: dict) -> str:
-    return (f"global {tuple(d['shape'])} {d['dtype']}, mesh ranks {d['mesh']} shape {d['mesh_shape']}, "
+    meshes = d.get("meshes", [d["mesh"]])
+    where = " + ".join(str(m) for m in meshes)
+    return (f"global {tuple(d['shape'])} {d['dtype']}, mesh ranks {where} shape {d['mesh_shape']}, "
             f"placements [{', '.join(_shown(p) for p in d['placements'])}]")
 
 
@@ -325,9 +345,10 @@ def layout_of(descs: Mapping[str, dict]) -> Layout:
     for name, d in sorted(descs.items()):
         lay.add_tensor(name, d["shape"], d["dtype"])
         placements = [_placement(p) for p in d["placements"]]
-        for i, r in enumerate(d["mesh"]):
-            buf = buffer_for(name, name, d["dtype"], d["shape"], d["mesh_shape"], _coord(i, d["mesh_shape"]), placements)
-            lay.add_buffer(r, memo.setdefault(buf, buf))
+        for mesh in d.get("meshes", [d["mesh"]]):
+            for i, r in enumerate(mesh):
+                buf = buffer_for(name, name, d["dtype"], d["shape"], d["mesh_shape"], _coord(i, d["mesh_shape"]), placements)
+                lay.add_buffer(r, memo.setdefault(buf, buf))
     return lay
 
 

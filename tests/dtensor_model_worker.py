@@ -79,3 +79,27 @@ def fsdp_tp_to_hf_and_vllm(rank: int, world: int) -> dict:
                                                       "model.layers.0.mlp.experts.gate_up_proj", "lm_head.weight")
                            if n in placements},
             "dtensor_params": len(placements), "params": len(list(model.named_parameters()))}
+
+
+def fsdp_tp_params_to_dtensors(rank: int, world: int) -> dict:
+    """The sharded model's parameters passed straight to ``reshard`` (parameters TP leaves whole are
+    DTensors over each rank's own ``dp`` sub-mesh: replicas over ``tp``), into ``Shard(-1)`` DTensors
+    over a 1-D mesh of all 4 ranks; each destination shard vs torch's own split of the full tensor."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    import mcore_reshard
+    cls, cfg, model, full = sharded_model()
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    src = {n: p for n, p in model.named_parameters()}
+    dst, locals_ = {}, {}
+    for n, p in src.items():
+        want = Shard(0)._split_tensor(full[n], 4, with_padding=False)[0][rank] if p.dim() == 1 else \
+            Shard(p.dim() - 1)._split_tensor(full[n], 4, with_padding=False)[0][rank]
+        locals_[n] = (torch.full_like(want, 7.0).contiguous(), want)
+        dst[n] = DTensor.from_local(locals_[n][0], mesh, [Shard(0) if p.dim() == 1 else Shard(p.dim() - 1)],
+                                    run_check=False, shape=full[n].shape, stride=full[n].stride())
+    res = mcore_reshard.reshard(src, dst, timeout=120)
+    bad = sorted(n for n, (got, want) in locals_.items() if not torch.equal(got, want))
+    submeshes = sorted({str(p.device_mesh.mesh.tolist()) for p in src.values()})
+    return {"bad": bad, "tensors": len(res.plan.tensors), "submeshes": submeshes,
+            "network": res.plan.stats["network_bytes"], "lower_bound": res.plan.stats["lower_bound_bytes"]}

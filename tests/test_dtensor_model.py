@@ -1,6 +1,7 @@
 """A DTensor-sharded transformers model as a source (``sources.dtensor_model.read_dtensor_layout``):
 Qwen3-MoE tiny under ``parallelize_module`` TP + FSDP2 ``fully_shard`` on a 2-D gloo mesh, refit into
-a whole Hugging Face model and a vLLM tp=2 layout, bit for bit against the model's own state dict."""
+a whole Hugging Face model, a vLLM tp=2 layout and (the parameters passed to ``reshard`` as they are)
+``Shard(-1)`` DTensors over all 4 ranks, bit for bit against the model's own state dict."""
 from __future__ import annotations
 
 import pytest
@@ -25,3 +26,14 @@ def test_fsdp2_and_tp_model_refits_into_hf_and_vllm_bit_exact():
     # FSDP2 over TP-sharded rows composes into a strided shard: the case the reader must get right
     assert out[0]["placements"]["model.layers.0.self_attn.q_proj.weight"] == ["_S(0, 2)", "S(0)"]
     assert out[0]["placements"]["model.layers.0.self_attn.o_proj.weight"] == ["S(0)", "S(1)"]
+
+
+def test_fsdp2_and_tp_parameters_reshard_as_dtensors():
+    """``reshard`` takes the sharded model's parameters as they are: those TP leaves whole live on each
+    rank's own dp sub-mesh ([0, 2] or [1, 3]), read as replicas of one tensor over two disjoint meshes."""
+    out = spawn(dtensor_model_worker.fsdp_tp_params_to_dtensors, 4, timeout=400, pg_timeout=180)
+    for r in out:
+        assert r["bad"] == [], r["bad"]
+        assert r["tensors"] == out[0]["tensors"] > 0
+        assert r["network"] == r["lower_bound"]
+    assert out[0]["submeshes"] == sorted(["[0, 2]", "[[0, 1], [2, 3]]"])
