@@ -28,12 +28,34 @@ def sharded_model():
     return cls, cfg, model, full
 
 
+def _engine(layout, rank: int, src, src_t, full) -> tuple[list, int]:
+    """Refit into this rank's buffers of an engine layout (7-filled); (mismatches vs ``full``, buffers)."""
+    from mcore_reshard.integrations.protocol import join_refit, rank_part
+    part = rank_part(layout, rank)
+    tensors = {n: torch.full(b.shape, 7.0) for n, b in part.buffers.get(rank, {}).items()}
+    r = join_refit(None, src=src, src_tensors=src_t, dst=part if tensors else None, dst_tensors=tensors,
+                   ignore_unused=True, timeout=120)
+    r.refit()
+    bad = []
+    for n, t in tensors.items():
+        buf = part.buffers[rank][n]
+        covered = torch.zeros(buf.shape, dtype=torch.bool)
+        for p in buf.pieces:
+            if not torch.equal(t[p.local.slices()], full[p.tensor][p.box.slices()].reshape(p.local.sizes)):
+                bad.append((n, p.tensor))
+            covered[p.local.slices()] = True
+        if not torch.equal(t[~covered], torch.zeros_like(t[~covered])):
+            bad.append((n, "padding"))
+    return bad, len(tensors)
+
+
 def fsdp_tp_to_hf_and_vllm(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
-    from mcore_reshard.integrations.protocol import join_refit, rank_part
+    from mcore_reshard.integrations.protocol import join_refit
     from mcore_reshard.sources.dtensor_model import read_dtensor_layout
     from mcore_reshard.sources.hf_model import read_hf_layout
     from mcore_reshard.targets.config import from_hf_config
+    from mcore_reshard.targets.sglang import sglang_layout
     from mcore_reshard.targets.vllm import vllm_layout
     cls, cfg, model, full = sharded_model()
     placements = {n: [str(p) for p in t.placements] for n, t in model.named_parameters() if isinstance(t, DTensor)}
@@ -55,24 +77,11 @@ def fsdp_tp_to_hf_and_vllm(rank: int, world: int) -> dict:
     if rank == 0:
         got = hf.state_dict()
         hf_ok = sorted(n for n in full if "rotary" not in n and not torch.equal(got[n], full[n]))
-    # 2. vLLM tp=2 on ranks 2-3
-    vl = vllm_layout(from_hf_config(cfg), tp=2, rank_offset=2, dtype="float32")
-    part = rank_part(vl, rank)
-    tensors = {n: torch.full(b.shape, 7.0) for n, b in part.buffers.get(rank, {}).items()}
-    r2 = join_refit(None, src=src, src_tensors=src_t, dst=part if tensors else None, dst_tensors=tensors,
-                    ignore_unused=True, timeout=120)
-    r2.refit()
-    bad = []
-    for n, t in tensors.items():
-        buf = part.buffers[rank][n]
-        covered = torch.zeros(buf.shape, dtype=torch.bool)
-        for p in buf.pieces:
-            if not torch.equal(t[p.local.slices()], full[p.tensor][p.box.slices()].reshape(p.local.sizes)):
-                bad.append((n, p.tensor))
-            covered[p.local.slices()] = True
-        if not torch.equal(t[~covered], torch.zeros_like(t[~covered])):
-            bad.append((n, "padding"))
-    return {"torch_ok": torch_ok, "hf_mismatch": hf_ok, "vllm_bad": bad, "vllm_buffers": len(tensors),
+    # 2. vLLM tp=2 on ranks 2-3, 3. SGLang tp=2 ep=2 on ranks 0-1 (every rank also holds training shards)
+    vl_bad, vl_n = _engine(vllm_layout(from_hf_config(cfg), tp=2, rank_offset=2, dtype="float32"), rank, src, src_t, full)
+    sg_bad, sg_n = _engine(sglang_layout(from_hf_config(cfg), tp=2, ep=2, dtype="float32"), rank, src, src_t, full)
+    return {"torch_ok": torch_ok, "hf_mismatch": hf_ok, "vllm_bad": vl_bad, "vllm_buffers": vl_n,
+            "sglang_bad": sg_bad, "sglang_buffers": sg_n,
             "network": r.plan.stats["network_bytes"], "lower_bound": r.plan.stats["lower_bound_bytes"],
             "placements": {n: placements[n] for n in ("model.layers.0.self_attn.q_proj.weight",
                                                       "model.layers.0.self_attn.o_proj.weight",
