@@ -68,7 +68,7 @@ CORE_TESTS="tests/test_planner_properties.py tests/test_planner_cases.py tests/t
   tests/test_fp8.py tests/test_layers.py tests/test_adversarial_plans.py tests/test_adversarial_misuse.py
   tests/test_adversarial_faults.py tests/test_planner_templates.py tests/test_adversarial_templated.py
   tests/test_planner_topology.py tests/test_executor_pipeline.py tests/test_planner_roundfill.py
-  tests/test_planner_cfit.py tests/test_layout_sharing.py"
+  tests/test_planner_cfit.py tests/test_layout_sharing.py tests/test_dtensor_reshard.py"
 core311() {
   local venv=${VENV}-py311
   if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis, tqdm' 2>/dev/null; then

@@ -17,7 +17,7 @@ LAYERS = {
     "core": 0,
     "mapper": 1,
     "sources": 2, "targets": 2, "fp8": 2,
-    "refit": 3,
+    "refit": 3, "dtensor_reshard": 3,
     "export": 4,
     "integrations": 4,
     "testing": 5,
