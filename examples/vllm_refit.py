@@ -14,7 +14,7 @@ Every engine call below is collective with the trainer ranks, so trainer rank 0 
     trainer ranks                         | vLLM workers (through collective_rpc)
     g = join_group(init, W, rank)         | mcore_reshard_join(init, W, T, timeout)
     r = join_refit(g, src=part, ...)      | mcore_reshard_prepare(**same plan options)
-    per step: r.refit(step)               | mcore_reshard_refit(step) (+ post-refit hooks)
+    per step: r.refit(step)               | mcore_reshard_refit(step) (+ vLLM post-load re-run, hooks)
     rank 0: llm.reset_prefix_cache()      |
 
 Run (single node, T=1 trainer rank holding a transformers copy of the model, vLLM tp=2)::
