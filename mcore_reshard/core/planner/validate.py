@@ -48,7 +48,8 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
 
     if not ints(plan.budget_bytes, plan.rounds) or plan.budget_bytes < 1024 or plan.rounds < 0:
         bad(f"plan budget_bytes={plan.budget_bytes!r} / rounds={plan.rounds!r}: must be integers (budget >= 1024)")
-        return problems
+        if not ints(plan.budget_bytes, plan.rounds):     # every later check compares with them
+            return problems
     shape_problems = _malformed_shapes(plan)
     if shape_problems:           # every later check reads these shapes: stop here
         return shape_problems[:limit]
