@@ -45,7 +45,7 @@ from .mapper.family import canonicalize, load_family
 from .core.layout import Buffer, Layout
 from .tools.memstat import peak_bytes, reset_peak, rss_bytes
 from .sources.megatron_model import family_for, model_config, read_layout
-from .core.planner import DEFAULT_BUDGET, make_plan
+from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
 from .tools.progress import bar
 from .refit import _merge, _one_config
 
@@ -140,6 +140,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     Linux; else None; ``s``: the transfers and shard writes, ``t``: the whole call)."""
     from .sources.hf_config import hf_config_dict, megatron_facts
 
+    budget_bytes = check_budget(budget_bytes)
     t0 = time.perf_counter()
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)

@@ -42,7 +42,7 @@ from .fp8.refit import Fp8Resharder
 from .core.gcpause import paused_gc
 from .core.layout import Layout
 from .sources.megatron_model import family_for, model_config, read_layout
-from .core.planner import DEFAULT_BUDGET, make_plan
+from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
 
 ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank",
@@ -109,8 +109,7 @@ class MegatronRefit:
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
                  timeout: float | None = None, verify: bool = False, quantize=None, topology=None):
         timeout = check_timeout(timeout)     # bad numbers: refused here, before anything is exchanged
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1024:
-            raise ValueError(f"budget_bytes={budget_bytes!r}: must be an integer number of bytes >= 1024")
+        budget_bytes = check_budget(budget_bytes)
         rank = dist.get_rank(group)
         src_t, dst_t = {}, {}
         with GatherChecked(group, "reading the models", timeout=timeout) as g:

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import adversarial_workers as aw
 import plan_mutations
 from mcore_reshard.core.executor import validation
-from mcore_reshard.core.planner import Plan, make_plan
+from mcore_reshard.core.planner import Plan, PlanError, make_plan
 from partial_launch import spawn_ok
 
 SRC, DST = aw.dtype_layouts(2)
@@ -42,8 +42,10 @@ def _verdict(pj: dict, src=SRC, dst=DST, full=FULL, world: int = 2) -> tuple[str
     ``world`` ranks, in process (also used by test_adversarial_templated)."""
     try:
         plan = Plan.from_json(pj)
-    except Exception as e:  # noqa: BLE001
-        return "refused", f"from_json: {type(e).__name__}"
+    except PlanError as e:      # the library's own refusal, naming the field
+        return "refused", f"from_json: {e}"
+    except Exception as e:  # noqa: BLE001 - a raw KeyError / IndexError / TypeError is a defect, not a refusal
+        return "WRONG", f"from_json crashed: {type(e).__name__}: {e}"
     ranks = range(world)
     S = {r: aw.cut(src, r, full) for r in ranks}
     D = {r: aw.cut(dst, r, full, fill=7) for r in ranks}
@@ -53,8 +55,8 @@ def _verdict(pj: dict, src=SRC, dst=DST, full=FULL, world: int = 2) -> tuple[str
                 part, errs = validation.own_part(plan, r)
                 errs = errs or validation.check_binding(part, r, world, None, S[r], D[r], None, layouts=(src, dst),
                                                         ranks=plan.ranks)
-            except Exception as e:  # noqa: BLE001 - the executor reports a crashed check as a refusal too
-                errs = [f"validation failed: {type(e).__name__}: {e}"]
+            except Exception as e:  # noqa: BLE001 - a check that crashes is a defect, not a refusal
+                return "WRONG", f"validation crashed on rank {r}: {type(e).__name__}: {e}"
             if errs:
                 return "refused", errs[0]
     before = {r: aw.digest_of(S[r]) for r in S}
@@ -110,7 +112,7 @@ def test_tampered_plans_over_gloo():
         else:
             assert None not in types, (label, "refused on some ranks only", per_rank)
             for o in per_rank:
-                assert o["type"] == "ReshardError" or o["type"].startswith("from_json:"), (label, o)
+                assert o["type"] in ("ReshardError", "from_json:PlanError"), (label, o)
                 assert o["dst_untouched"] and o["src_untouched"], (label, o)
             refused += 1
         # the in-process oracle (executor checks + mirror) agrees with the real executor

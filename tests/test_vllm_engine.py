@@ -89,7 +89,8 @@ def test_replaced_parameter_refused_on_every_rank(run):
     assert "model.norm.weight" in eng["refusal"] and "replaced after binding" in eng["refusal"]
     assert ("ReshardError" if run["tp"] == 1 else "Worker failed") in eng["refusal"]
     for r, t in enumerate(run["trainer_refusal"]):
-        assert t["error"] is not None and "ReshardError" in t["error"] and "refuse this refit" in t["error"], (r, t)
+        assert t["error"] is not None and "ReshardError" in t["error"], (r, t)
+        assert "refuses this refit: model.norm.weight" in t["error"] and "replaced after binding" in t["error"], t
     # nothing moved: the engine still generates what the last refit wrote
     assert eng["after_refusal"] == run["reference"][SCHEDULE[-1][1]]["generated"]
 

@@ -56,7 +56,7 @@ from typing import Mapping, Sequence
 
 from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout, itemsize
-from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, make_plan
+from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, check_budget, make_plan
 from ..core.planner.index import _source_index
 from .groups import Fp8Group, _make_groups, _split_names
 from .layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
@@ -157,6 +157,7 @@ def make_fp8_plan(src: Layout, dst: Layout, block: Sequence[int], *, budget_byte
     tensors.  ``compare_bf16`` also counts the plain BF16 refit of the same layouts for the stats
     (:func:`bf16_bytes`: its network and local bytes, without planning it).
     """
+    budget_bytes = check_budget(budget_bytes)
     b = check_block(block)
     memory = budget_bytes if memory_bytes is None else int(memory_bytes)
     quantized = quantized_of(dst)

@@ -41,6 +41,7 @@ Units (no cycles; each imports only those above it):
 * :mod:`.handshake` -- :func:`agree`, the refit start, control messages, :func:`all_gather_json`, the per-group guard;
 * :mod:`.validation` -- tensors vs plan, aliasing, the plan's own checks;
 * :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
+* :mod:`.owners` -- the tensor objects bound and their storage, checked at each refit (``param.data`` rebound);
 * :mod:`.rounds` -- the batched (chunked, pipelined) and overlapped round paths, pack / unpack;
 * :mod:`.transfer` -- one refit: start, rounds with the local copies overlapped, version bookkeeping, confirmation;
 * :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state.

@@ -82,9 +82,24 @@ def unstaged_parts(m, buf: torch.Tensor, views: list, verify: bool) -> tuple[lis
     return pairs, parts
 
 
+def bool_bytes(plan: Plan, name: str) -> bool:
+    """Whether tensor ``name`` is bool at both ends: its copies then move as uint8 (the bytes, not
+    the values: a bool byte other than 0 / 1 is legal in memory and must land unchanged)."""
+    meta = plan.tensors[name]
+    return meta["src_dtype"] == meta["dst_dtype"] == "bool"
+
+
+def region(plan: Plan, t: torch.Tensor, c, local) -> torch.Tensor:
+    """The view of ``t`` that copy ``c`` reads or writes (``local``: its box there); a bool copy as
+    its bytes (:func:`bool_bytes`)."""
+    v = t[local.slices()]
+    return v.view(torch.uint8) if v.dtype == torch.bool and bool_bytes(plan, c.tensor) else v
+
+
 def staging_view(plan: Plan, staging: torch.Tensor, c) -> torch.Tensor:
-    """The part of a message's staging slice that carries copy ``c``, as its source dtype and box."""
-    dtype = torch_dtype(plan.tensors[c.tensor]["src_dtype"])
+    """The part of a message's staging slice that carries copy ``c``, as its source dtype and box
+    (a bool copy as uint8, :func:`bool_bytes`)."""
+    dtype = torch.uint8 if bool_bytes(plan, c.tensor) else torch_dtype(plan.tensors[c.tensor]["src_dtype"])
     return staging[c.offset:c.offset + c.nbytes].view(dtype).view(c.src_local.sizes)
 
 
@@ -147,7 +162,7 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
          verify: bool, staging: torch.Tensor | None, device: torch.device, dst_names) -> Binding:
     """Views, staging and stage bookkeeping of ``plan`` on ``rank`` (tensors already validated).
     ``staging``: a shared uint8 buffer used when large enough; ``dst_names``: this rank's buffers."""
-    local = [(dst[c.dst_buffer][c.dst_local.slices()], src[c.src_buffer][c.src_local.slices()], c)
+    local = [(region(plan, dst[c.dst_buffer], c, c.dst_local), region(plan, src[c.src_buffer], c, c.src_local), c)
              for c in plan.local_copies if c.dst == rank]
     padding = [(dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == rank]
     rounds_of = per_round(plan, rank)
@@ -182,13 +197,13 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
             # a forwarded message (two-level plans) reads this rank's destination buffers, written
             # in an earlier round (validate_plan checks it; rounds run in order)
             have = dst if m.forward else src
-            views = [have[c.src_buffer][c.src_local.slices()] for c in m.entries]
+            views = [region(plan, have[c.src_buffer], c, c.src_local) for c in m.entries]
             rnd.sends.append(_entry(plan, m.dst, m, buf, views, verify))
             base += n
         for m in recvs:             # right after this round's sends, in the same buffer
             n = staged_bytes(m, verify)
             buf = buffer[base:base + n]
-            views = [dst[c.dst_buffer][c.dst_local.slices()] for c in m.entries]
+            views = [region(plan, dst[c.dst_buffer], c, c.dst_local) for c in m.entries]
             rnd.recvs.append(_entry(plan, m.src, m, buf, views, verify))
             base += n
             for c in m.entries:

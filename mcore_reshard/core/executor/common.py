@@ -45,7 +45,8 @@ def group_ranks_hint(world: int) -> str:
     return f"0..{world - 1}" if world else "none"
 
 
-_FALLBACK_TIMEOUT = 1800.0   # torch's own default for non-NCCL process groups
+_FALLBACK_TIMEOUT = 1800.0
+_MAX_TIMEOUT = 1e9           # ~31 years: larger ones overflow torch's timeouts (a raw OverflowError)   # torch's own default for non-NCCL process groups
 
 
 def check_timeout(value, what: str = "timeout") -> float | None:
@@ -53,26 +54,38 @@ def check_timeout(value, what: str = "timeout") -> float | None:
     positive real number."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) or float(value) <= 0:
-        raise ValueError(f"{what}={value!r}: must be a finite number of seconds > 0 (or None: the process group's timeout)")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value))
+            or not 0 < float(value) <= _MAX_TIMEOUT):
+        raise ValueError(f"{what}={value!r}: must be a finite number of seconds > 0 and <= {_MAX_TIMEOUT:.0e} "
+                         "(or None: the process group's timeout)")
     return float(value)
 
 
+def _own_timeout(pg) -> float | None:
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            t = pg._get_backend(dev).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options
+            continue
+        if t is not None and t.total_seconds() > 0:
+            return float(t.total_seconds())
+    return None
+
+
 def group_timeout(group) -> float:
-    """The process group's own timeout in seconds (what ``init_process_group(timeout=)`` /
-    ``new_group(timeout=)`` set), else torch's default: the finite bound of ``timeout=None``."""
-    try:
-        pg = group if group is not None else dist.group.WORLD
-        for dev in (torch.device("cpu"), torch.device("cuda")):
-            try:
-                t = pg._get_backend(dev).options._timeout
-            except Exception:  # noqa: BLE001 - no backend for that device, or no options
-                continue
-            if t is not None and t.total_seconds() > 0:
-                return float(t.total_seconds())
-    except Exception:  # noqa: BLE001
-        pass
-    return _FALLBACK_TIMEOUT
+    """The finite bound of ``timeout=None``: the process group's own timeout (what
+    ``new_group(timeout=)`` set), or the default group's (``init_process_group(timeout=)``) when
+    that is shorter -- a ``new_group()`` made without ``timeout=`` gets torch's 30 min default, not
+    the default group's -- else torch's default."""
+    found = []
+    for pg in (group if group is not None else dist.group.WORLD, dist.group.WORLD):
+        try:
+            t = _own_timeout(pg)
+        except Exception:  # noqa: BLE001
+            t = None
+        if t is not None:
+            found.append(t)
+    return min(found) if found else _FALLBACK_TIMEOUT
 
 
 #: seconds between two ``is_completed()`` polls on backends whose ``wait`` does not block the host

@@ -4,6 +4,7 @@ guards that make a failure on one rank an error on all (:class:`GatherChecked`, 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import threading
 import time
@@ -11,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .common import bounded_wait, check_timeout, group_device
+from .common import bounded_wait, check_timeout, group_device, group_timeout
 from .errors import ReshardError
 
 _MSG_BYTES = 1024
@@ -62,6 +63,7 @@ def exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool =
     return out
 
 
+_F_SETTLE = 4       # handshake message flag: the sender settles the outcome through the store (_settle)
 _SEQ: dict[str, int] = {}
 
 
@@ -117,22 +119,64 @@ def _by_value(values: list[str]) -> dict[str, list[int]]:
     return by
 
 
+def _settle(ticket, rank: int, ok: bool, timeout: float | None, group) -> str | None:
+    """The exchange of ``ticket`` ended on this rank (``ok``: it completed): record that in the
+    group's store; when it completed, wait (at most ``timeout``) for every rank's verdict.  Returns
+    why the handshake failed elsewhere (None: every rank completed it).  A gloo all-gather can
+    complete on one rank while a peer times out (a rank that joined late, or was interrupted once
+    the bytes were out): without this, that rank would succeed alone."""
+    if ticket is None:
+        return None
+    store, seq, world = ticket
+    key = f"mcore_reshard/verdict/{seq}/"
+    try:        # O(1) store operations per rank: a count of completed exchanges, one verdict key
+        if not ok:
+            store.set(key + "all", f"0:{rank}".encode())
+            return None
+        if store.add(key + "ok", 1) == world:
+            store.set(key + "all", b"1")
+    except Exception:  # noqa: BLE001 - best effort (the store is gone: the peers time out)
+        return None
+    limit = timeout if timeout is not None else group_timeout(group)
+    try:
+        store.wait([key + "all"], datetime.timedelta(seconds=limit))
+        verdict = store.get(key + "all").decode()
+    except Exception:  # noqa: BLE001 - timed out: some rank gave no verdict
+        return f"not every rank reported completing it within {limit:.1f} s (a rank died or stalled)"
+    if verdict == "1":
+        return None
+    return f"rank {verdict.split(':', 1)[-1]} failed it (timed out, was interrupted or died)"
+
+
 def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: float | None = None,
-          kind: int = 1, version: int = 0, token: int = 0) -> list[dict]:
+          kind: int = 1, version: int = 0, token: int = 0, settle: bool = False) -> list[dict]:
     """Collective: exchange plan digest, options and local errors; raise :class:`ReshardError` on
     every rank if any rank reported an error or the digests or options differ.  Never pickles.
     ``timeout`` bounds the wait (a rank that never joins makes the others raise after it, naming
-    the ranks that did not answer).  Returns every rank's control message (``token``: each rank's)."""
+    the ranks that did not answer).  ``settle``: the exchange ends the same way on every rank
+    (:func:`_settle`, through the group's store): a rank whose exchange completed raises too when
+    any other rank's failed.  Returns every rank's control message (``token``: each rank's)."""
     rank = dist.get_rank(group)
     t0 = time.monotonic()
     ticket = _checkin(group)
     try:
         msgs = exchange(group, kind, digest=digest, version=version, ok=not errors, options=options,
-                        text="; ".join(errors), timeout=timeout, token=token)
-    except Exception as e:  # noqa: BLE001 - a peer that died or never joined
+                        text="; ".join(errors), timeout=timeout, token=token, flags=_F_SETTLE if settle else 0)
+    except BaseException as e:  # noqa: BLE001 - a peer that died or never joined; KeyboardInterrupt
+        if settle:
+            _settle(ticket, rank, False, timeout, group)
+        if not isinstance(e, Exception):
+            raise
         raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank} after {time.monotonic() - t0:.1f} s: "
                            f"{_who(ticket)} (a peer died, never joined, or the process group is broken): {type(e).__name__}: {e}"
                            + (f" | this rank's own problems: {'; '.join(errors)}" if errors else "")) from e
+    # every rank settles only when every rank's message says it does (same step, same kind of caller);
+    # otherwise every rank sees the mismatch in the messages and raises below
+    if settle and all(m["kind"] == kind and m["flags"] & _F_SETTLE for m in msgs):
+        elsewhere = _settle(ticket, rank, True, timeout, group)
+        if elsewhere:
+            raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank}: its exchange completed here but not on "
+                               f"every rank: {elsewhere}; every rank raises (no rank is bound alone)")
     problems = []
     step = step_mismatch(msgs, kind)
     if step:
@@ -188,7 +232,7 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
 
 
-_F_EXPLICIT, _F_DIRTY, _F_REFUSED = 1, 2, 4
+_F_EXPLICIT, _F_DIRTY = 1, 2
 
 
 class GatherChecked:
@@ -237,20 +281,21 @@ def all_or_none(group, *, timeout: float | None = None):
 
 
 def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, explicit: bool, options: str,
-                dirty: bool, timeout: float | None, refusal: list[str] | None = None) -> int:
+                dirty: bool, timeout: float | None, problems: list[str] = ()) -> int:
     """Collective, before any byte of a refit moves: every rank states which binding it refits
     (plan digest + binding token), with which options, which version it proposes (``explicit``:
     the caller passed ``version=``) and whether operations of an interrupted refit may still be
     pending on this group (``dirty``).  Returns the agreed version (the explicit one, else the
     highest proposal, so ranks that disagree after an interruption converge); raises
     :class:`ReshardError` on every rank if they refit different Resharders, options differ,
-    explicit versions differ, any rank is dirty or any rank brings a ``refusal`` (its own reasons,
-    e.g. a bound tensor its owner no longer computes with: named on that rank, counted on the
-    others).  A failed exchange raises (the caller turns it into a :class:`TransferError`)."""
-    flags = (_F_EXPLICIT if explicit else 0) | (_F_DIRTY if dirty else 0) | (_F_REFUSED if refusal else 0)
+    explicit versions differ, any rank is dirty or reports ``problems`` of its own (bound tensors
+    it cannot use any more).  A failed exchange raises (the caller turns it into a
+    :class:`TransferError`)."""
+    flags = (_F_EXPLICIT if explicit else 0) | (_F_DIRTY if dirty else 0)
+    own = list(problems)
     msgs = exchange(group, 4, digest=digest, version=proposal, options=options, token=token, flags=flags,
-                    timeout=timeout)
-    problems = []
+                    timeout=timeout, ok=not own, text="; ".join(own))
+    problems = [m["text"] or f"rank {q} failed its checks" for q, m in enumerate(msgs) if not m["ok"]]
     step = step_mismatch(msgs, 4)
     if step:
         problems.append(step)
@@ -269,10 +314,6 @@ def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, exp
         wanted = sorted({m["version"] for m in msgs if m["flags"] & _F_EXPLICIT})
         if len(wanted) > 1:
             problems.append(f"ranks ask for different refit versions {wanted}")
-        refusing = [r for r, m in enumerate(msgs) if m["flags"] & _F_REFUSED]
-        if refusing:
-            problems.append(f"ranks {refusing} refuse this refit: " + ("; ".join(refusal) if refusal else
-                                                                       "their own errors say why"))
     if problems:
         raise ReshardError(f"rank {rank}: refit refused before any byte moved: " + " | ".join(problems))
     wanted = [m["version"] for m in msgs if m["flags"] & _F_EXPLICIT]

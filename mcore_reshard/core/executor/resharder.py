@@ -15,8 +15,9 @@ from .binding import bind
 from .common import check_timeout, group_device, group_timeout, waits_block
 from .errors import ReshardError
 from .handshake import agree, group_guard
+from .owners import Owners, describe, is_dtensor, record, storage_of
 from .transfer import run_refit
-from .validation import check_binding, own_part
+from .validation import check_aliasing, check_arguments, check_binding, member_rank, own_part
 
 
 class Resharder:
@@ -26,7 +27,8 @@ class Resharder:
     none); they must be exactly the buffers the plan gives this rank.  Source tensors are only read
     (a destination tensor sharing memory with a source is refused).  ``timeout`` (seconds) bounds
     the handshake, every round and the final confirmation: a dead or stalled peer makes every rank
-    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout;
+    raise :class:`TransferError` instead of waiting (``None``: the process group's own timeout, or
+    the default group's when shorter -- a ``new_group()`` made without ``timeout=`` has torch's 30 min;
     never unbounded).
     ``verify`` adds a checksum per copied box to every message and checks what arrives (debug;
     must be the same on every rank).  ``confirm`` ends every refit with a tiny all-gather so that
@@ -38,12 +40,35 @@ class Resharder:
     ``layouts``: ``(src_layout, dst_layout)`` the plan claims to come from; when given, every copy
     of this rank is checked against them before a byte moves (``MegatronRefit`` passes them).
     Refits run without autograd on detached views (``nn.Parameter`` tensors stay as they are).
+
+    What is bound: the objects given (the *owners*: ``nn.Parameter``, tensor or DTensor) and the
+    storage each uses at bind.  A DTensor is bound through its local shard (``to_local()``), which
+    must be the buffer the plan gives this rank.  A destination (or staging buffer) that is an
+    inference tensor (made under ``torch.inference_mode()``) is refused: torch forbids writing it in
+    place outside inference mode.  Every refit first checks, before a byte moves, that each owner
+    still uses the storage bound (pointer, shape, strides; a loop of compares): an owner rebound
+    since (``param.data = new``, as engines do in post-load processing) is **followed** -- the
+    refit reads / writes the new storage -- when the new tensor has the bound shape, strides, dtype
+    and device and shares no memory with another bound tensor; otherwise the refit is refused on
+    every rank with a :class:`ReshardError` naming the tensor, the rank and both storages.  A
+    tensor passed as a temporary (``param.data``, ``t.view(...)``) is its own owner: rebinding the
+    parameter it came from cannot be seen -- pass the parameter itself.  Bool tensors move as bytes
+    (a byte other than 0 / 1 lands unchanged).
+
+    The process group: every refit, handshake and :meth:`rebind` runs collectives on ``group``;
+    nothing else may run collectives on that group meanwhile (another thread's ``all_reduce``
+    could be matched with a control message: the refit then fails, possibly after bytes moved on
+    some ranks).  Give each Resharder (or each user of collectives) a group of its own
+    (``dist.new_group``); a second Resharder operation on the same group in this process is refused
+    (``group_guard``), collectives of other code are not detectable.  A process that is not a member
+    of ``group`` gets a ValueError naming its rank and the group's ranks.
     """
 
     def __init__(self, plan: Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                  group=None, *, timeout: float | None = None, verify: bool = False, confirm: bool = True,
                  staging: torch.Tensor | None = None, overlap: bool | None = None, layouts=None):
         self._timeout_arg = check_timeout(timeout)
+        check_arguments(plan, src, dst, layouts)
         if overlap not in (None, True, False) or not isinstance(verify, bool) or not isinstance(confirm, bool):
             raise ValueError(f"overlap={overlap!r} (None, True or False), verify={verify!r}, confirm={confirm!r} (True or False)")
         self._shared_staging = staging
@@ -51,19 +76,26 @@ class Resharder:
         self.overlap = overlap
         self.plan = plan
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = member_rank(group, "bind a Resharder")
         self.world = dist.get_world_size(group)
         self._set_timeout()
         self.verify = bool(verify)
         self.confirm = bool(confirm)
         # detached views share the caller's storage: refits copy_ into them without autograd
-        # (nn.Parameter sources / destinations stay leaves, requires_grad and all)
-        self.src = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
-        self.dst = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
+        # (nn.Parameter sources / destinations stay leaves, requires_grad and all); a DTensor is
+        # bound through its local shard.  The owners (the objects given) are kept: every refit
+        # checks that they still use the storage bound (param.data rebound: see refit)
+        with torch.inference_mode(False):
+            self.src = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
+            self.dst = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
+        self._owners = Owners([record(side, n, owner, have[n]) for side, given, have in
+                               (("src", src, self.src), ("dst", dst, self.dst))
+                               for n, owner in dict(given).items() if isinstance(owner, torch.Tensor)])
         self.version = 0                   # last refit version confirmed complete
         # a templated plan is bound through this rank's own part, made from its templates alone (no
         # other rank's copies are ever made here); its hash, what the handshake compares, is the whole plan's
         self._part, errors = own_part(plan, self.rank)
+        errors += self._intake_errors(src, dst, staging)
         self._buffer_version: dict[str, int | None] = {} if errors else {
             n: None for n in self._part.buffers["dst"].get(self.rank, {})}
         self._interrupted: dict | None = None
@@ -77,12 +109,13 @@ class Resharder:
         errors = errors or self._validate()
         if not errors:
             try:     # views and staging before the handshake: a failure here (memory) reaches every rank
-                self._bind()
+                with torch.inference_mode(False):    # normal tensors even when built under inference_mode
+                    self._bind()
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank {self.rank}: binding failed: {type(e).__name__}: {str(e)[:300]}")
         with group_guard(group, self.rank, "bind a Resharder"):
             msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s,
-                         token=int.from_bytes(os.urandom(8), "little"))
+                         token=int.from_bytes(os.urandom(8), "little"), settle=True)
         self._token = msgs[0]["token"]
 
     def _set_timeout(self) -> None:
@@ -96,6 +129,29 @@ class Resharder:
     def _options(self) -> str:
         return f"verify={int(self.verify)},confirm={int(self.confirm)},overlap={int(self.overlapped())}"
 
+    def _intake_errors(self, src, dst, staging) -> list[str]:
+        """Tensors a refit could not use as given: an inference tensor to write (torch refuses an
+        in-place write to it outside ``inference_mode``), a DTensor whose local shard is not the
+        buffer the plan gives this rank."""
+        errors = []
+        want = self._part.buffers
+        for side, given in (("src", src), ("dst", dst), ("staging", {"buffer": staging})):
+            for n, t in dict(given).items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if side != "src" and t.is_inference():
+                    errors.append(f"rank {self.rank}: {side} {'tensor ' + n if side == 'dst' else 'buffer'} is an inference "
+                                  "tensor (made under torch.inference_mode()): a refit writes it in place, which torch "
+                                  "refuses outside inference mode; make it outside torch.inference_mode()")
+                if side != "staging" and is_dtensor(t):
+                    local = self.src[n] if side == "src" else self.dst[n]
+                    shape = want.get(side, {}).get(self.rank, {}).get(n, (None,))[0]
+                    if shape is not None and list(local.shape) != list(shape):
+                        errors.append(f"rank {self.rank}: {side} tensor {n} is a DTensor {list(t.shape)} placements "
+                                      f"{list(t.placements)} whose local shard is {list(local.shape)}; the plan gives this "
+                                      f"rank {list(shape)}: a DTensor is bound through its local shard")
+        return errors
+
     def _validate(self) -> list[str]:
         try:
             return check_binding(self._part, self.rank, self.world, self.group, self.src, self.dst, self.overlap,
@@ -103,8 +159,9 @@ class Resharder:
         except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
             return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
 
-    def _bind(self) -> None:
-        b = bind(self._part, self.rank, self.src, self.dst, verify=self.verify, staging=self._shared_staging,
+    def _bind(self, staging=None) -> None:
+        b = bind(self._part, self.rank, self.src, self.dst, verify=self.verify,
+                 staging=self._shared_staging if staging is None else staging,
                  device=self._device(), dst_names=list(self._buffer_version))
         self.local, self.padding, self.staging = b.local, b.padding, b.staging
         self.rounds, self.round_numbers = b.rounds, b.round_numbers
@@ -121,12 +178,42 @@ class Resharder:
         ``verify``): the most this rank stages to send plus receive in any one round."""
         return self.staging.numel()
 
+    def follow_owners(self) -> list[str]:
+        """Local, before a refit's start exchange: every owner whose storage changed since bind
+        (``param.data = new``) is followed when the new storage has the bound shape, strides,
+        dtype and device (and shares no memory with another bound tensor): views are re-made on
+        it.  Returns the problems of the others (the refit is then refused on every rank)."""
+        changed = self._owners.changed()
+        if not changed:
+            return []
+        problems = []
+        src, dst = dict(self.src), dict(self.dst)
+        for rec, now in changed:
+            why = Owners.why_not_followed(rec, now)
+            if why is None and rec.side == "dst" and now.is_inference():
+                why = "the new tensor is an inference tensor (a refit writes it in place outside inference mode)"
+            if why is not None:
+                problems.append(f"rank {self.rank}: {rec.side} tensor {rec.name}: param.data was rebound after binding: "
+                                f"storage 0x{rec.ptr:x} -> {describe(now)}; {why}")
+            (src if rec.side == "src" else dst)[rec.name] = now
+        if problems:
+            return problems
+        problems = check_aliasing(self.rank, src, dst, self.staging)
+        if problems:
+            return [p + " (after following a rebound param.data)" for p in problems]
+        self.src, self.dst = src, dst
+        with torch.inference_mode(False):
+            self._bind(staging=self.staging)
+        for rec, now in changed:
+            rec.ptr = now.data_ptr()
+        return []
+
     def rebind(self, group=None) -> None:
         """Collective: use ``group`` from now on (e.g. a fresh group after a transfer failure broke
         the old one: gloo closes its pairs on a timeout; NCCL communicators must be aborted).
         Re-runs the construction handshake (every rank must rebind the same Resharder); staging
         buffers, views and recorded versions stay.  ``timeout=None`` follows the new group's timeout."""
-        rank = dist.get_rank(group)
+        rank = member_rank(group, "rebind a Resharder")
         errors = []
         if rank != self.rank:
             errors.append(f"rank {rank}: this Resharder was bound as rank {self.rank} of its old group; "
@@ -136,7 +223,8 @@ class Resharder:
         self._set_timeout()
         errors = errors or self._validate()
         with group_guard(group, self.rank, "rebind"):
-            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s, token=self._token)
+            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s, token=self._token,
+                         settle=True)
         tokens = sorted({m["token"] for m in msgs})
         if len(tokens) > 1:
             raise ReshardError(f"rank {self.rank}: rebind refused: ranks rebind different Resharders "
@@ -178,14 +266,19 @@ class Resharder:
         that disagree after an interruption converge.  After an interruption that may have left
         operations pending on the group the refit is refused on every rank: call :meth:`rebind`
         with a fresh group on every rank, then ``refit()`` again.  The caller must not write the
-        source tensors while a refit runs (``verify=True`` detects it).
+        source tensors while a refit runs (``verify=True`` detects it), and nothing else may run
+        collectives on the group while it runs (see the class docstring).  ``version``: an
+        integer in ``[0, 2**63)`` (ValueError naming it otherwise, before anything moves).
+        Bound tensors rebound since bind (``param.data = new``) are followed or refused first (see
+        the class docstring).
 
         ``refusal``: reasons this rank found not to refit (an integration's own checks, e.g. an
         engine parameter replaced after binding): non-empty, every rank raises
-        :class:`ReshardError` in the refit start, before any byte moves, this rank naming them.
+        :class:`ReshardError` in the refit start, before any byte moves, naming them.
         """
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"version={version!r}: must be a non-negative integer (or None)")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                    or not 0 <= version < 1 << 63):
+            raise ValueError(f"version={version!r}: must be an integer in [0, 2**63) (or None)")
         with group_guard(self.group, self.rank, "refit"), torch.no_grad():
             return run_refit(self, version, refusal)
 

@@ -170,13 +170,18 @@ def confirm(r, v: int, problems: list[str]) -> None:
 
 def run_refit(r, version: int | None, refusal: list[str] | None = None) -> dict:
     """Refit start (agreed version), transfer, confirmation; records an interruption on ``r``.
-    ``refusal``: this rank's reasons to refuse (every rank then raises before a byte moves)."""
+    ``refusal``: this rank's own reasons not to refit (every rank then raises before a byte moves)."""
     proposal = r.version + 1 if version is None else version
+    try:     # owners whose storage changed since bind (param.data = new): followed, or refused everywhere
+        local_problems = r.follow_owners()
+    except Exception as e:  # noqa: BLE001 - a crash here must still reach every rank
+        local_problems = [f"rank {r.rank}: checking the bound tensors failed: {type(e).__name__}: {str(e)[:300]}"]
+    local_problems += [f"rank {r.rank} refuses this refit: {why}" for why in refusal or ()]
     t0 = time.monotonic()
     try:
         v = refit_start(r.group, rank=r.rank, digest=r._digest, token=r._token, proposal=proposal,
                         explicit=version is not None, options=r._options(), dirty=r._dirty,
-                        timeout=r.timeout_s, refusal=refusal)
+                        timeout=r.timeout_s, problems=local_problems)
     except ReshardError:
         raise        # refused on every rank before any byte moved; nothing changed here
     except BaseException as e:  # noqa: BLE001 - a peer died or the group is broken

@@ -12,6 +12,40 @@ from .binding import staging_size
 from .common import dtype_name, group_ranks_hint, torch_dtype
 
 
+def check_arguments(plan, src, dst, layouts) -> None:
+    """TypeError naming the argument unless ``plan`` is a plan (:func:`make_plan` /
+    ``Plan.from_json``), ``src`` / ``dst`` mappings of names to tensors and ``layouts`` None or a
+    (source, destination) pair of layouts; local, before anything is exchanged."""
+    from ..layout import Layout
+    from ..planner import TemplatedPlan
+    if not isinstance(plan, (Plan, TemplatedPlan)):
+        raise TypeError(f"plan={type(plan).__name__} {str(plan)[:60]!r}: must be a Plan (make_plan, or Plan.from_json "
+                        "for plan JSON)")
+    for what, given in (("src", src), ("dst", dst)):
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{what}={type(given).__name__}: must be a mapping of buffer names to tensors")
+    if layouts is not None and not (isinstance(layouts, (tuple, list)) and len(layouts) == 2
+                                    and all(isinstance(x, Layout) for x in layouts)):
+        raise TypeError(f"layouts={str(layouts)[:60]!r}: must be None or a (source Layout, destination Layout) pair")
+
+
+def member_rank(group, what: str) -> int:
+    """This process's rank in ``group``; ValueError naming it and the group's ranks when it is
+    not a member (torch would raise "Invalid process group specified" in the next call)."""
+    try:
+        rank = dist.get_rank(group)
+    except Exception as e:  # noqa: BLE001 - not a process group at all
+        raise ValueError(f"group={group!r}: not a process group of this process ({type(e).__name__}: {e})") from e
+    if rank < 0:
+        try:
+            ranks = dist.get_process_group_ranks(group)
+        except Exception:  # noqa: BLE001
+            ranks = "unknown"
+        raise ValueError(f"rank {dist.get_rank()} (global) cannot {what}: it is not a member of the process group "
+                         f"given (global ranks {ranks}); only the group's members take part in its refits")
+    return rank
+
+
 def check_tensors(plan: Plan, rank: int, side: str, tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Every tensor the plan gives ``rank`` on ``side`` is there, of its shape and dtype; nothing extra."""
     errors, missing = [], []
@@ -51,6 +85,31 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
+_EXACT_MAX = 1 << 24    # elements: views up to this size get the exact bytes-touched overlap test
+
+
+def _starts(t: torch.Tensor) -> torch.Tensor:
+    """Sorted byte addresses of every element of ``t`` (int64, on the CPU)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return (offsets.reshape(-1) * t.element_size() + t.data_ptr()).sort().values
+
+
+def touch_same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether views ``a`` and ``b`` (whose spans overlap) touch a common byte: interleaved strided
+    views of one storage (``x[:, :4]`` and ``x[0, 4:12]``) do not.  Exact up to ``_EXACT_MAX``
+    elements each; larger views are compared by span (conservative: may refuse disjoint views)."""
+    if a.numel() > _EXACT_MAX or b.numel() > _EXACT_MAX:
+        return True
+    sa, sb = _starts(a), _starts(b)
+    ea, eb = a.element_size(), b.element_size()
+    # the element of a starting last before each element of b ends; equal sizes: it ends last
+    k = torch.searchsorted(sa, sb + eb, right=False) - 1
+    ok = k >= 0
+    return bool((sa[k.clamp(min=0)] + ea > sb)[ok].any())
+
+
 def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                    staging: torch.Tensor | None = None) -> list[str]:
     """A destination tensor (or the staging buffer) that shares memory with a source tensor, or
@@ -64,11 +123,15 @@ def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str,
                 spans.append((t.device.type, t.device.index, lo, hi, side, name))
     spans.sort()
     errors = []
+
+    def tensor(x):
+        return staging if x[4] == "staging" else (src if x[4] == "src" else dst)[x[5]]
+
     for i, a in enumerate(spans):
         for b in spans[i + 1:]:
             if b[:2] != a[:2] or b[2] >= a[3]:
                 break
-            if {"dst", "staging"} & {a[4], b[4]}:
+            if {"dst", "staging"} & {a[4], b[4]} and touch_same_bytes(tensor(a), tensor(b)):
                 x, y = sorted([a, b], key=lambda t: ({"src": 0, "dst": 1}.get(t[4], 2), t[5]))
                 errors.append(f"rank {rank}: {x[4]} tensor {x[5]} and {y[4]} {'buffer' if y[4] == 'staging' else 'tensor ' + y[5]} "
                               "share memory; a refit would " + ("overwrite the source weights" if x[4] == "src" else "write both"))

@@ -37,7 +37,8 @@ from ..gcpause import paused_gc
 from ..layout import Layout
 from .index import _atoms, _check_tensors, _disjoint, _fmt_ranks, _raise_uncovered, _source_index, _uncovered
 from .matching import local_mapper, match
-from .plan import (ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, _align, _box_json, _copy)
+from .plan import (ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, _align, _box_json, _copy,
+                   check_budget)
 from .rounds import _pack_rounds
 from .senders import _rebalance, choose_senders
 from .stats import _stats, plan_part, plan_stats
@@ -68,8 +69,10 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     :mod:`.topology`); always the copy-by-copy plan (a forwarded copy's round depends on its
     carrier's, across layers: templates do not apply).  ``None``: one level, today's plans.
     """
-    if budget_bytes < 1024:
-        raise PlanError(f"staging budget {budget_bytes} B is below the 1 KiB minimum")
+    for what, lay in (("src", src), ("dst", dst)):
+        if not isinstance(lay, Layout):
+            raise TypeError(f"make_plan: {what}={type(lay).__name__} {str(lay)[:60]!r}: must be a Layout")
+    budget_bytes = check_budget(budget_bytes)
     topo = Topology.of(topology)
     # planning allocates millions of small acyclic objects: the cyclic garbage collector would
     # rescan the (large) layouts many times over for nothing, so it is paused while planning

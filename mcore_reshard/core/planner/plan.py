@@ -1,6 +1,7 @@
 """Plan data: :class:`Copy`, :class:`Message`, :class:`Plan` (JSON and the sha256 hash), constants."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -21,6 +22,18 @@ PLAN_FORMATS: dict = {}
 
 class PlanError(ValueError):
     """The two layouts cannot be reconciled; the message names tensor, ranks, shapes and region."""
+
+
+def check_budget(value, what: str = "budget_bytes") -> int:
+    """``value`` as a staging budget in bytes; :class:`PlanError` (a ValueError) naming ``what``
+    unless an integer (bool, float, NaN, inf, str refused) of at least 1 KiB."""
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PlanError(f"{what}={value!r}: must be an integer number of bytes >= 1024, "
+                        f"not {type(value).__name__}")
+    if value < 1024:
+        raise PlanError(f"{what}={int(value)}: staging budget {int(value)} B is below the 1 KiB minimum")
+    return int(value)
 
 
 def _align(n: int) -> int:
@@ -122,6 +135,21 @@ class Message:
                        *flags)
 
 
+@contextlib.contextmanager
+def malformed(field: str):
+    """Turn a crash while reading plan JSON field ``field`` into a :class:`PlanError` naming it
+    (the block may narrow it: ``where[:] = ["messages[3]"]``): a missing key, an entry of the
+    wrong arity or type."""
+    where = [field]
+    try:
+        yield where
+    except PlanError as e:
+        raise PlanError(f"plan field {where[0]}: {e}") from e
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        what = {KeyError: f"missing key {e}", IndexError: "an entry of the wrong arity"}.get(type(e), "wrong type or value")
+        raise PlanError(f"plan field {where[0]} is malformed: {what} ({type(e).__name__}: {str(e)[:200]})") from e
+
+
 @dataclass
 class Plan:
     """Plain-data plan.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
@@ -150,18 +178,41 @@ class Plan:
 
     @staticmethod
     def from_json(o: Mapping) -> "Plan":
-        other = PLAN_FORMATS.get(o.get("version"))
+        """The plan of JSON ``o`` (either representation); every malformed field (a missing key,
+        an entry of the wrong arity or type) is a :class:`PlanError` naming it."""
+        if not isinstance(o, Mapping):
+            raise PlanError(f"plan JSON is a {type(o).__name__}, not an object")
+        other = PLAN_FORMATS.get(o.get("version")) if isinstance(o.get("version"), (int, str)) else None
         if other is not None:          # another plan representation (a templated plan)
-            return other(o)
+            with malformed("templated plan"):
+                return other(o)
         if o.get("version") != PLAN_VERSION:
             raise PlanError(f"plan version {o.get('version')} is not {PLAN_VERSION}")
-        return Plan(
-            tensors=dict(o["tensors"]),
-            buffers={side: {int(r): bufs for r, bufs in ranks.items()} for side, ranks in o["buffers"].items()},
-            messages=[Message.from_json(m) for m in o["messages"]],
-            local_copies=[Copy.from_json(c) for c in o["local_copies"]],
-            padding=[(r, b, Box.from_json(box)) for r, b, box in o["padding"]],
-            budget_bytes=o["budget_bytes"], rounds=o["rounds"], stats=dict(o["stats"]))
+        with malformed("tensors"):
+            tensors = dict(o["tensors"])
+        with malformed("buffers"):
+            buffers = {side: {int(r): bufs for r, bufs in ranks.items()} for side, ranks in o["buffers"].items()}
+        with malformed("messages") as where:
+            messages = []
+            for i, m in enumerate(o["messages"]):
+                where[:] = [f"messages[{i}]"]
+                messages.append(Message.from_json(m))
+        with malformed("local_copies") as where:
+            local = []
+            for i, c in enumerate(o["local_copies"]):
+                where[:] = [f"local_copies[{i}]"]
+                local.append(Copy.from_json(c))
+        with malformed("padding") as where:
+            padding = []
+            for i, (r, b, box) in enumerate(o["padding"]):
+                where[:] = [f"padding[{i}]"]
+                padding.append((r, b, Box.from_json(box)))
+        with malformed("stats"):
+            stats = dict(o["stats"])
+        with malformed("budget_bytes / rounds"):
+            budget, rounds = o["budget_bytes"], o["rounds"]
+        return Plan(tensors=tensors, buffers=buffers, messages=messages, local_copies=local, padding=padding,
+                    budget_bytes=budget, rounds=rounds, stats=stats)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))

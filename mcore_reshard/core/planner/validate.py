@@ -48,6 +48,11 @@ def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[
 
     if not ints(plan.budget_bytes, plan.rounds) or plan.budget_bytes < 1024 or plan.rounds < 0:
         bad(f"plan budget_bytes={plan.budget_bytes!r} / rounds={plan.rounds!r}: must be integers (budget >= 1024)")
+        if not ints(plan.budget_bytes, plan.rounds):     # every later check compares with them
+            return problems
+    shape_problems = _malformed_shapes(plan)
+    if shape_problems:           # every later check reads these shapes: stop here
+        return shape_problems[:limit]
 
     fulls: dict[tuple, Box] = {}        # shape -> Box.full(shape): a few shapes, checked per copy
 
@@ -168,7 +173,8 @@ def _check_writes(plan: Plan, rank: int | None, writes: dict, bad) -> None:
         if rank is not None and r != rank:
             continue
         for name, (shape, _) in sorted(bufs.items()):
-            boxes = sorted(writes.get((r, name), []), key=lambda x: x[0])
+            # a box of another rank than the buffer's was reported where it was found; not compared here
+            boxes = sorted((w for w in writes.get((r, name), []) if w[0].ndim == len(shape)), key=lambda x: x[0])
             overlap = False
             for i, (a, what_a) in enumerate(boxes):
                 for b, what_b in boxes[i + 1:]:
@@ -244,9 +250,15 @@ def _check_forwarded(c: Copy, k: int, landed, where: str, bad) -> None:
     """A forwarded copy (round ``k``) reads ``c.src_local`` of rank ``c.src``'s destination buffer:
     copies of the same tensor region, landed there in a stage before ``k``, must fill exactly it."""
     want = c.src_local
+    if not all(type(x) is int for x in (*want.offsets, *want.sizes, *c.box.offsets, *c.box.sizes)):
+        return          # non-integer boxes: reported by the copy's own check
     delta = tuple(a - b for a, b in zip(want.offsets, c.box.offsets)) if want.ndim == c.box.ndim else None
     covered = 0
     for box, w, stage in landed:
+        if box.ndim != want.ndim or not all(type(x) is int for x in (*box.offsets, *box.sizes)):   # another buffer's geometry: reported where that copy was checked
+            bad(f"{where}: forwarded copy of {c.tensor}{c.box} reads {want} of rank {c.src} buffer {c.src_buffer}, "
+                f"which also receives {w.tensor}{w.box} as {box} (a box of another rank)")
+            continue
         inter = box.intersect(want)
         if inter is None:
             continue
@@ -264,3 +276,29 @@ def _check_forwarded(c: Copy, k: int, landed, where: str, bad) -> None:
     if covered != want.numel:
         bad(f"{where}: forwarded copy of {c.tensor}{c.box} reads rank {c.src} buffer {c.src_buffer}{want}: only "
             f"{covered} of its {want.numel} elements land there before round {k}")
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(type(d) is int and d >= 0 for d in x)
+
+
+def _malformed_shapes(plan) -> list[str]:
+    """Tensor and buffer entries that are not ``shape`` (a list of integers >= 0) + dtype name."""
+    out = []
+    if not isinstance(plan.tensors, dict):
+        return [f"plan tensors is a {type(plan.tensors).__name__}, not an object"]
+    for name, meta in plan.tensors.items():
+        if not isinstance(meta, dict) or not _is_shape(meta.get("shape")) or not all(
+                isinstance(meta.get(k), str) for k in ("src_dtype", "dst_dtype")):
+            out.append(f"plan tensors[{name}] = {str(meta)[:120]}: needs a shape of integers >= 0 and dtype names")
+    if not isinstance(plan.buffers, dict):
+        return out + [f"plan buffers is a {type(plan.buffers).__name__}, not an object"]
+    for side, ranks in plan.buffers.items():
+        for r, bufs in (ranks.items() if isinstance(ranks, dict) else [("?", None)]):
+            for name, meta in (bufs.items() if isinstance(bufs, dict) else [("?", bufs)]):
+                if not (isinstance(meta, (list, tuple)) and len(meta) == 2 and _is_shape(meta[0])
+                        and isinstance(meta[1], str)):
+                    out.append(f"plan buffers[{side}][{r}][{name}] = {str(meta)[:120]}: needs [shape of integers >= 0, "
+                               "dtype name]")
+    return out
+
