@@ -122,9 +122,15 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
         src = _build(case["model"], case["src"], dtype, kw, "tp-cp-ep-pp-dp" if disagg else "tp-cp-ep-dp-pp")
         perturb_replicated(src)
         # the local DotProductAttention has no context-parallel forward: no logits with CP > 1
-        with_logits = case["src"].get("cp", 1) == 1 and case["dst"].get("cp", 1) == 1
+        # (nor after param.data is rebound: the CPU model's forward keeps views of the old storage)
+        with_logits = case["src"].get("cp", 1) == 1 and case["dst"].get("cp", 1) == 1 and not case.get("rebind")
         src_logits = mcore_cpu.forward_logits(src, tokens) if with_logits else None
         src_ref = reference_digests(src)
+        if case.get("rebind"):    # under the source's parallel state (building dst replaces it)
+            from megatron.core import parallel_state as ps
+            src_full = reference_full(src)
+            src_buffers = {_global_name(c, n, ps.get_expert_model_parallel_rank()) for c in src
+                           for n, _ in c.named_buffers()}
         dst = _build(case["model"], case["dst"], dtype, kw)
         ptrs = {n: p.data_ptr() for c in dst for n, p in c.named_parameters()}
         t0 = time.perf_counter()
@@ -133,6 +139,20 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
         t0 = time.perf_counter()
         sent = refit.refit()
         refit_s = time.perf_counter() - t0
+        if case.get("rebind"):
+            # after binding, an optimizer / user code / an engine moves every parameter to new
+            # storage (param.data = ...), the source with new values: the next refit must follow
+            with torch.no_grad():
+                for c in src:
+                    for t in c.parameters():
+                        t.data = t.data.clone() + 0.25
+                for c in dst:
+                    for t in c.parameters():
+                        t.data = t.data.clone()
+            ptrs = {n: p.data_ptr() for c in dst for n, p in c.named_parameters()}
+            src_ref = {n: [list(t.shape), str(t.dtype), _digest(t if n in src_buffers else t + 0.25)]
+                       for n, t in src_full.items()}
+            sent = refit.refit()
         dst_ref = reference_digests(dst)
         dst_logits = mcore_cpu.forward_logits(dst, tokens) if with_logits else None
         stats = refit.plan.stats

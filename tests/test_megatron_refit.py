@@ -27,6 +27,9 @@ CASES = [
     ("gqa TP2 -> TP4", {"model": "gqa", "src": {"tp": 2}, "dst": {"tp": 4}, "kw": {}}),
     ("gqa tied TP4 -> TP2 PP2", {"model": "gqa", "src": {"tp": 4}, "dst": {"tp": 2, "pp": 2}, "kw": {"tied_embeddings": True}}),
     ("qwen3-moe TP2 EP2 -> TP1 EP4", {"model": "qwen3", "src": {"tp": 2, "ep": 2}, "dst": {"tp": 1, "ep": 4, "etp": 1}, "kw": {}}),
+    # every parameter on both sides moved to new storage (param.data = ...) after binding,
+    # the source with new values: the second refit follows both, bit-exact
+    ("dsv3 TP2 EP2 -> TP4, param.data rebound after binding", {"model": "dsv3", "src": {"tp": 2, "ep": 2}, "dst": {"tp": 4}, "kw": {"mtp": False}, "rebind": True}),
 ]
 
 

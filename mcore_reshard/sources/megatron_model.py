@@ -98,7 +98,7 @@ def read_layout(chunks: Sequence[torch.nn.Module], rank: int) -> tuple[Layout, d
                 gbox = Box(tuple(st.global_offset), (1,) * st.prepend_axis_num + tuple(st.data.shape))
                 pieces.append(Piece(st.key, gbox, local))
             lay.add_buffer(rank, Buffer(prefix + local_name, tuple(base.shape), _dtype(base), tuple(pieces)))
-            tensors[prefix + local_name] = base
+            tensors[prefix + local_name] = named[local_name]   # the owner: a later param.data = ... is seen
     return lay, tensors
 
 
