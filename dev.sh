@@ -47,7 +47,7 @@ ensure_kernel() {  # ensure_kernel VENV
 }
 
 setup() {
-  if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm' 2>/dev/null; then
+  if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm, ruff' 2>/dev/null; then
     ensure_kernel "$VENV"
     return 0
   fi
@@ -58,7 +58,7 @@ setup() {
   "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
   "$VENV/bin/pip" install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
   "$VENV/bin/pip" install -q -e ".[megatron,test]" 2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm'
+  "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm, ruff'
 }
 
 # The core (layouts, planner, executor) needs only torch and works on Python >= 3.10: check it on
@@ -148,8 +148,9 @@ shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/mcore-reshard" demo "$@" ;;
   test) setup; engines; exec "$VENV/bin/python" -m pytest -q -rs "$@" ;;
+  lint) setup; exec "$VENV/bin/python" -m ruff check . ;;
   setup) setup ;;
   engines) engines ;;
   core311) core311 "$@" ;;
-  *) echo "usage: ./dev.sh demo|test|setup|engines|core311 [args]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo|test|setup|engines|core311|lint [args]" >&2; exit 2 ;;
 esac

@@ -6,7 +6,6 @@ source) tensors kept their exact bytes, and for successes whether the destinatio
 against an independent reference (the full tensors cut by the layout)."""
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time

@@ -10,7 +10,6 @@ Two shims, both outside the weights path (``/work/shared/research/engines_cpu.md
 """
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time

@@ -9,8 +9,6 @@ the argument; or a bit-exact refit.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import tempfile
 

@@ -22,7 +22,6 @@ import random
 from unittest import mock
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import adversarial_workers as aw

@@ -94,7 +94,7 @@ def test_transformer_engine_spec_rules_plan_into_local_spec():
     conf = {"num_layers": 4}
     meg = Layout()
     tp = Mesh.of({"tp": 2})
-    H, ql, kl, rope = 64, 32, 16, 8
+    H, ql = 64, 32
     q_down = "decoder.layers.1.self_attention.linear_q_down_proj.weight"
     meg.add_sharded(q_down, (ql, H), "float32", tp, [], buffer=q_down)                       # duplicated: replicated
     meg.add_sharded("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight", (ql,), "float32", tp, [],

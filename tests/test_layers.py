@@ -163,7 +163,7 @@ def test_old_flat_paths_are_the_new_modules():
 
     from mcore_reshard import _compat
     for old, new in _compat.ALIASES.items():
-        with warnings.catch_warnings(record=True) as w:
+        with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
             mod = importlib.import_module(f"mcore_reshard.{old}")
         assert mod is importlib.import_module(f"mcore_reshard.{new}"), old

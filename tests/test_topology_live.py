@@ -102,6 +102,6 @@ def test_forwarder_failure_is_reported_by_every_rank(mode):
         if res["forwards_to_me"]:
             # the receiver of the forwarded bytes names the round and the forwarder
             assert res["round"] and f"plan round {res['forwards_to_me'][0]})" in err, err
-            assert victim in res["peers"] and f"receives from ranks [" in err and str(victim) in err, err
+            assert victim in res["peers"] and "receives from ranks [" in err and str(victim) in err, err
             assert ("timed out after" in err) if mode == "stall" else ("a peer died" in err or "posting" in err), err
             assert res["state"]["incomplete"], res["state"]

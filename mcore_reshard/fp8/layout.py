@@ -24,9 +24,7 @@ merged part").  So vLLM ``tp=32`` without EP (64-row expert and dense shards) is
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ..core.box import Box
 from ..core.layout import Buffer, Layout, LayoutError, Piece, TensorMeta

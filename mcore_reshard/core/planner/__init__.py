@@ -35,12 +35,11 @@ from math import prod
 from ..box import Box
 from ..gcpause import paused_gc
 from ..layout import Layout
-from .index import _atoms, _check_tensors, _disjoint, _fmt_ranks, _raise_uncovered, _source_index, _uncovered
+from .index import _check_tensors, _source_index
 from .matching import local_mapper, match
-from .plan import (ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, _align, _box_json, _copy,
-                   check_budget)
+from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, check_budget
 from .rounds import _pack_rounds
-from .senders import _rebalance, choose_senders
+from .senders import choose_senders
 from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
 from .topology import COPY_SHARE, Topology, link_stats, plan_forwarding, split_unstaged

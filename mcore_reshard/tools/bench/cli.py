@@ -27,7 +27,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-size", action="store_true", help="plan DeepSeek-V3 671B configurations (metadata only)")
     p.add_argument("--configs", default=",".join(FULL_SIZE_DEFAULT),
-                   help=f"full-size configurations, comma separated (default: %(default)s; also: small)")
+                   help="full-size configurations, comma separated (default: %(default)s; also: small)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per full-size configuration, and per live model size (default: %(default)s)")
     p.add_argument("--max-mem-gib", type=float, default=16,
                    help="address-space cap per full-size configuration process, GiB (0: none; default: %(default)s)")

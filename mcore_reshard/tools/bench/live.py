@@ -469,7 +469,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
 
                 def ours(overlap):
                     res_.overlap = overlap
-                    refit.refit()
+                    refit.refit()  # noqa: F821 - bound before the `del` at the end of the case
 
                 fns = {"mcore_reshard": lambda: ours(None)}
                 if ab:
@@ -532,7 +532,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
                 patch_sequential_mlp_names(True)
                 _zero(dst)
                 service = _counting_service()
-                r = _timed(lambda: swap_model_weights(src, dst, service), reps)
+                r = _timed(lambda: swap_model_weights(src, dst, service), reps)  # noqa: F821 - before the `del` below
                 r.update(sent_bytes=service.sent_bytes // (reps + 1), sent_msgs=service.sent_msgs // (reps + 1),
                          exact=_exactness(worker_mod, dst, src_ref))
                 res["methods"]["megatron_resharding"] = r
