@@ -215,24 +215,22 @@ class PostLoad:
         if not self._raw and not self._attention:
             return {"reprocessed": 0, "attention": 0}
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        kernels = []
-        forced = []
-        for module, mname, raw in self._raw:
-            kernels.append((module, {n: p for n, p in module._parameters.items() if p is not None}))
-            for n, t in raw.items():
-                module._parameters[n] = t
-            qm = getattr(module, "quant_method", None)
-            kernel = getattr(qm, "moe_kernel", None)
-            experts = type(getattr(kernel, "fused_experts", None)).__name__
-            attr = FIRST_LOAD_BRANCH.get(experts)
-            if attr is not None and getattr(qm, attr, None) is not None:
-                setattr(qm, attr, None)
-                forced.append(mname)
-        for module, _ in self._attention:
-            kernels.append((module, {n: p for n, p in module._parameters.items() if p is not None}))
+        kernels = [(m, {n: p for n, p in m._parameters.items() if p is not None})
+                   for m in [m for m, _, _ in self._raw] + [m for m, _ in self._attention]]
+        for module, _, raw in self._raw:
+            module._parameters.update(raw)
+        forced = [mname for module, mname, _ in self._raw if _force_first_load(module)]
         with torch.no_grad():
-            for model in self.models.values():
-                process_weights_after_loading(model, self.model_config, self.device)
+            try:
+                for model in self.models.values():
+                    process_weights_after_loading(model, self.model_config, self.device)
+            except Exception as e:
+                for module, kernel in kernels:     # never leave the loader-format buffers registered
+                    module._parameters.update(kernel)
+                raise ReshardError(
+                    f"vLLM's post-load processing failed after the refit ({type(e).__name__}: {str(e)[:300]}): "
+                    "the parameters written in place hold the new weights, the reprocessed modules still the "
+                    "previous refit's; refit again once the cause is fixed") from e
             replaced = _restore_kernels(kernels)
         return {"reprocessed": len(self._raw), "attention": len(self._attention), "first_load_branch": forced,
                 "replaced": replaced}
@@ -256,6 +254,17 @@ def _materialize(module: torch.nn.Module, metas: Mapping[str, torch.Tensor], rel
             out[n] = t
     return out
 
+
+
+def _force_first_load(module: torch.nn.Module) -> bool:
+    """Clear what makes a known kernel take its "weight update" branch (:data:`FIRST_LOAD_BRANCH`)."""
+    qm = getattr(module, "quant_method", None)
+    experts = type(getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)).__name__
+    attr = FIRST_LOAD_BRANCH.get(experts)
+    if attr is None or getattr(qm, attr, None) is None:
+        return False
+    setattr(qm, attr, None)
+    return True
 
 
 def _restore_kernels(kernels: list) -> list[str]:
