@@ -228,12 +228,19 @@ def main() -> None:
             results[case["id"]] = run(eng, case)
         except Exception as e:  # noqa: BLE001 - reported to the test
             results[case["id"]] = {"errors": [f"{type(e).__name__}: {e}"], "traceback": traceback.format_exc()[-4000:]}
+        _write_report(out, rank, results)     # case by case: a launch that stalls still says how far it got
         dist.barrier()
     results["_total_s"] = round(time.monotonic() - t0, 1)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    _write_report(out, rank, results)
     dist.barrier()
+
+
+def _write_report(out: str, rank: int, results: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

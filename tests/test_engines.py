@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -46,6 +47,26 @@ def engine_python(engine: str) -> str:
     return os.path.join(venv, "bin")
 
 
+def _final(path: str) -> bool:
+    """A rank's report is whole: ``engine_worker.py`` writes it case by case and adds ``_total_s`` last;
+    ``engine_refit.py`` writes it once, at the end."""
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return "_total_s" in rep or "_setup_s" not in rep
+
+
+def _partial(path: str) -> dict:
+    """Case id -> errors of what a rank had reported when its launch ended."""
+    try:
+        with open(path) as f:
+            return {k: v.get("errors") for k, v in json.load(f).items() if isinstance(v, dict)}
+    except (OSError, ValueError):
+        return {}
+
+
 def launch(engine: str, mode: str, cases: list, tmp, nproc: int = 4, script: str = "engine_worker.py",
            timeout: int = 900) -> dict:
     """One torchrun launch; returns case id -> {rank: report}."""
@@ -56,19 +77,29 @@ def launch(engine: str, mode: str, cases: list, tmp, nproc: int = 4, script: str
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TORCHELASTIC_ERROR_FILE": ""}
     if engine == "vllm":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    # a launch where some rank wrote no report at all (the rendezvous port taken between choosing it
-    # and binding it, a worker killed under load: seen once in CI with 22 tests erroring at setup)
-    # is launched once more on a fresh port; what the ranks report is never retried
+    # a launch where some rank wrote no final report (the rendezvous port taken between choosing it
+    # and binding it, a worker killed or a launch stalled under load: seen in CI with 22 tests erroring
+    # at setup) is launched once more on a fresh port; what the ranks report is never retried.  A
+    # stalled launch is killed whole (its process group: no orphaned ranks), and what each rank had
+    # reported case by case goes into the failure.
     for attempt in (1, 2):
         shutil.rmtree(out, ignore_errors=True)
         cmd = [os.path.join(bindir, "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
                os.path.join(ROOT, "tests", script), engine, mode, job, out]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-        missing = [r for r in range(nproc) if not os.path.exists(os.path.join(out, f"rank{r}.json"))]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                             start_new_session=True)
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            stdout, stderr = p.communicate()
+            stderr += f"\n[launch stalled: killed after {timeout} s]"
+        missing = [r for r in range(nproc) if not _final(os.path.join(out, f"rank{r}.json"))]
         if not missing:
             break
-        failure = (f"{engine} {mode}: ranks {missing} wrote no report (rc {p.returncode}, launch {attempt} of 2)\n"
-                   f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        partial = {r: _partial(os.path.join(out, f"rank{r}.json")) for r in missing}
+        failure = (f"{engine} {mode}: ranks {missing} wrote no final report (rc {p.returncode}, launch {attempt} "
+                   f"of 2); their reports so far: {partial}\n{stdout[-3000:]}\n{stderr[-6000:]}")
         if attempt == 2:
             raise AssertionError(failure)
         print(failure, file=sys.stderr)
