@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENVS = {"vllm": os.path.join(ROOT, ".venv-vllm"), "sglang": os.path.join(ROOT, ".venv-sglang")}
 IN_CI = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
          or os.environ.get("MCORE_RESHARD_REQUIRE_ENGINES", "") == "1")
-pytestmark = [pytest.mark.engines, pytest.mark.multiproc]
+# a launch is bounded by its own timeout (killed whole, launched once more): the fixture may take two
+pytestmark = [pytest.mark.engines, pytest.mark.multiproc, pytest.mark.timeout(1500)]
 
 
 def engine_python(engine: str) -> str:
@@ -68,7 +69,7 @@ def _partial(path: str) -> dict:
 
 
 def launch(engine: str, mode: str, cases: list, tmp, nproc: int = 4, script: str = "engine_worker.py",
-           timeout: int = 900) -> dict:
+           timeout: int = 600) -> dict:
     """One torchrun launch; returns case id -> {rank: report}."""
     bindir = engine_python(engine)
     job, out = os.path.join(tmp, f"{engine}-{mode}.json"), os.path.join(tmp, f"{engine}-{mode}-out")

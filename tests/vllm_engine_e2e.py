@@ -256,7 +256,7 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
             with open(elog, "w") as eout:
                 rc = subprocess.run([engine_python, script, "engine", workdir, "--tp", str(tp), "--model", model],
                                     stdout=eout,
-                                    stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp), timeout=900).returncode
+                                    stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp), timeout=600).returncode
             if rc != 0:
                 raise RuntimeError(f"engine failed (rc {rc}):\n{_tail(elog)}\ntrainer:\n{_tail(tlog)}")
             if trainer_proc.wait(timeout=300) != 0:
@@ -270,7 +270,7 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
             rc = subprocess.run([engine_python, script, "reference", workdir, "--tp", str(tp), "--version", version,
                                  "--model", model],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp),
-                                timeout=900).returncode
+                                timeout=300).returncode
         if rc != 0:
             raise RuntimeError(f"reference engine {version} failed:\n{_tail(log)}")
 
