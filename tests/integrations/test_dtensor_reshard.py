@@ -186,7 +186,7 @@ def test_benchmark_smoke():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from repo_paths import ROOT as root
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "dtensor_bench.py"), "--tensors", "3",
                           "--rows", "8", "--cols", "6", "--reps", "1"], capture_output=True, text=True, env=env, timeout=300)

@@ -30,8 +30,8 @@ from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
 from mcore_reshard.tools.launch import spawn
 from mcore_reshard.tools.synthetic import materialize, reference_tensor
 from mcore_reshard.targets import canonical_tensors, dsv3_tiny, from_hf_config, hf_layout, sglang_layout, vllm_layout
+from repo_paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dsv3_tiny()
 DT = "float32"
 P, V, L = CFG.qk_nope_head_dim, CFG.v_head_dim, CFG.kv_lora_rank
@@ -354,7 +354,6 @@ def test_sglang_shape_mismatch_refused_everywhere(runs):
 
 def megatron_part(rank: int, world: int) -> dict:
     """megatron_source on a live tiny Megatron-Core model equals the megatron spec's part."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import mcore_cpu
     from mcore_reshard.integrations.protocol import megatron_source
     mcore_cpu.install_cpu_shims()
