@@ -1,7 +1,7 @@
 """``mcore_reshard.reshard`` (DTensor in, DTensor out) on 4 gloo ranks, torch itself as the oracle.
 
 Hypothesis draws the cases (derandomized, a bounded number) in the parent; ONE 4-process launch
-runs them all (tests/dtensor_reshard_worker.py): meshes of 1-3 dims over disjoint, overlapping or
+runs them all (tests/helpers/dtensor_reshard_worker.py): meshes of 1-3 dims over disjoint, overlapping or
 identical rank sets, Shard / _StridedShard / Replicate, uneven shapes, tensors of 1-4 dims, every
 dtype, DTensors and rank-list ShardSpecs.  Every destination shard must equal torch's own split of
 the full tensor, ``full_tensor()`` the full tensor, (same mesh) ``redistribute``'s result; bytes

@@ -1,5 +1,5 @@
 """FP8 in transit (issue #7): block-FP8 target layouts, the quantization plan, and a live gloo refit
-against an independent per-block reference quantizer (tests/fp8_workers.py).  No megatron-core:
+against an independent per-block reference quantizer (tests/helpers/fp8_workers.py).  No megatron-core:
 the Megatron-Core live tests are in test_fp8_megatron.py."""
 from __future__ import annotations
 
