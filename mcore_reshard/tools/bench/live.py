@@ -1,7 +1,7 @@
 """Live refit benchmark, CPU + gloo: this project vs ``megatron.core.resharding`` vs gather+broadcast.
 
-Runs inside 4 local gloo processes (``tests/helpers/mcore_cpu.spawn``; needs megatron-core and a repository
-checkout, because the CPU patches and the independent reference live in ``tests/helpers/``).  For every
+Runs inside 4 local gloo processes (``tests/mcore_cpu.spawn``; needs megatron-core and a repository
+checkout, because the CPU patches and the independent reference live in ``tests/``).  For every
 model size and every layout pair, every rank builds both Megatron-Core models (colocated: each rank
 holds a shard of the source *and* of the destination), then each method in turn:
 
@@ -14,7 +14,7 @@ holds a shard of the source *and* of the destination), then each method in turn:
    calls, each between two barriers; for each timed call the peak resident memory above the
    resident memory before the call (``/proc/self/status`` VmHWM after resetting it through
    ``/proc/self/clear_refs``);
-3. full destination tensors rebuilt by the independent path of ``tests/helpers/megatron_refit_worker``
+3. full destination tensors rebuilt by the independent path of ``tests/megatron_refit_worker``
    (all-gathers driven by each parameter's own TP attributes, never the layouts under test) and
    compared by sha256 with the source's: bit-exact or not, tensor by tensor.
 
@@ -24,7 +24,7 @@ Methods:
     :class:`mcore_reshard.refit.MegatronRefit` (plan once, ``refit()`` per call).
 ``megatron_resharding``
     ``megatron.core.resharding.refit.swap_model_weights(src, dst, service)`` with its gloo copy
-    service (CPU patches from ``tests/helpers/mcore_cpu.install_cpu_shims``).  Megatron-Core 0.19.2 remaps
+    service (CPU patches from ``tests/mcore_cpu.install_cpu_shims``).  Megatron-Core 0.19.2 remaps
     local expert indices only for TE grouped-expert names (``weightK``); with SequentialMLP experts
     (``local_experts.<i>``, the only expert module without Transformer-Engine) an EP change copies
     the wrong experts.  It is run once as shipped (``megatron_resharding_unpatched``: bit-exactness
@@ -112,7 +112,7 @@ def tests_dir() -> Path:
 
 
 def import_test_helpers():
-    """``mcore_cpu`` and ``megatron_refit_worker`` from the repository's tests/helpers/ (CPU patches and the
+    """``mcore_cpu`` and ``megatron_refit_worker`` from the repository's tests/ (CPU patches and the
     independent reference); a clear error outside a checkout."""
     d = tests_dir()
     if not (d / "mcore_cpu.py").exists():
@@ -427,7 +427,7 @@ def _timed_interleaved(fns: dict, reps: int) -> dict:
 
 def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budget: int, dtype_name: str,
                 methods: list) -> list:
-    """One rank of the live benchmark (run through ``tests/helpers/mcore_cpu.spawn``)."""
+    """One rank of the live benchmark (run through ``tests/mcore_cpu.spawn``)."""
     mcore_cpu, worker_mod = import_test_helpers()
     mcore_cpu.install_cpu_shims()
     from megatron.core.resharding.refit import clear_all_caches, swap_model_weights
