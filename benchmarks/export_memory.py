@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path[:0] = [os.path.join(HERE, "..", "tests", "helpers"), os.path.join(HERE, "..", "tests", "integrations")]   # hf_export_worker, test_hf_export
 
 if __name__ == "__main__":
     import hf_export_worker

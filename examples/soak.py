@@ -9,7 +9,7 @@ every refit and must stay flat.
     python examples/soak.py --steps 500 --verify --src tp=2,ep=2,etp=1,pp=2 --dst tp=4 --disaggregated
 
 Prints one JSON line per rank and a summary; exits 1 on any mismatch or RSS growth above
-``--max-rss-growth-kb`` (after ``--warmup`` refits).  ``tests/test_soak.py`` runs a short version.
+``--max-rss-growth-kb`` (after ``--warmup`` refits).  ``tests/core/executor/test_soak.py`` runs a short version.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Renaming is exact: layers with the same canonical form have the same sub-problem
 names, and every name the planner derives (temporaries ``fp8/q/<tensor>/<k>``, slabs
 ``<buffer>#a:e``) is a real name with a suffix, so ``str.replace("layers.<m>.", "layers.<n>.")``
 on the template's plan gives the plan of layer n planned on its own
-(``tests/test_fp8.py::test_shared_layers_equal_layers_planned_alone`` checks it entry by entry).
+(``tests/core/planner/test_fp8.py::test_shared_layers_equal_layers_planned_alone`` checks it entry by entry).
 Even where it would not be (two names of a layer whose order flips with the number's digits, as
 ``a.layers.3.x`` against ``a.layers.3x`` do at layer 12: no real layout names so), the renamed plan
 is a correct plan of layer n: renaming is a bijection between two sub-problems that are equal up

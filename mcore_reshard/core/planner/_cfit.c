@@ -1,7 +1,7 @@
 /* First fit under a per-rank staging budget, in C: the planner's one sequential hot loop.
  *
  * The reference is the Python of ``rounds.RoundFill`` / ``placement._fit``; this kernel gives the
- * same rounds item for item (tests/test_planner_cfit.py compares the two on random inputs and on
+ * same rounds item for item (tests/core/planner/test_planner_cfit.py compares the two on random inputs and on
  * full-size plans by hash).  Everything here is pure computation on ints: no Python object is
  * kept, nothing touches torch.  Any input outside the ranges below raises ValueError /
  * OverflowError before anything is placed, and the caller plans with the Python code instead.

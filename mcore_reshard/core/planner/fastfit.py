@@ -3,7 +3,7 @@ hand (an optional extension: without one the package installs and plans the same
 
 ``cfit`` is the loaded module, or None: then callers run the Python reference
 (:class:`.rounds.RoundFill`, :func:`.placement._fit`), which gives the same rounds item for item
-(tests/test_planner_cfit.py compares the two).  ``MCORE_RESHARD_PURE_PYTHON=1`` always uses the
+(tests/core/planner/test_planner_cfit.py compares the two).  ``MCORE_RESHARD_PURE_PYTHON=1`` always uses the
 Python; a build of another version of the kernel than this code expects (a stale in-place build)
 is not used.  An input out of the kernel's ranges (ranks below 2**24, 2**20 instances or messages
 of a template, 2**21 rounds, 2 GiB of per-(rank, round) staging counts) raises, and the caller

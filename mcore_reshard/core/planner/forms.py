@@ -179,7 +179,7 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
         a stage-1 layer | 0 1 2 3   | 0 1 2 3 -> 0 1 2 3   | 2 3 0 1 -> 0 1 2 3
 
     sorted, the stage-1 layer's sources are indices 2-3 (another form); rotated, indices 0-1 hold
-    sources and 0-3 shards 0 1 0 1 in both: one template (tests/test_planner_templates.py)."""
+    sources and 0-3 shards 0 1 0 1 in both: one template (tests/core/planner/test_planner_templates.py)."""
     nums = [g]
     for side in ("src", "dst"):
         n = None

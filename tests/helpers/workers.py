@@ -99,12 +99,12 @@ def overlap_paths(rank: int, world: int, cases: list) -> list:
 
 
 def templated_parts(rank: int, world: int) -> dict:
-    """A colocated pipeline (tests/test_planner_templates._colocated_stages: 2 stages on 4 ranks,
+    """A colocated pipeline (tests/core/planner/test_planner_templates._colocated_stages: 2 stages on 4 ranks,
     one template rotated across them) refit twice through a Resharder: bit-exact, and the whole
     plan's messages, copies and buffers are never made on this rank (it binds its own part)."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "planner"))   # a test module, not a helper
     from test_planner_templates import _colocated_stages
     from mcore_reshard.core.planner import TemplatedPlan, plan_part
     src, dst = _colocated_stages(stages=world // 2)

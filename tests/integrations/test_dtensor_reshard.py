@@ -1,7 +1,7 @@
 """``mcore_reshard.reshard`` (DTensor in, DTensor out) on 4 gloo ranks, torch itself as the oracle.
 
 Hypothesis draws the cases (derandomized, a bounded number) in the parent; ONE 4-process launch
-runs them all (tests/dtensor_reshard_worker.py): meshes of 1-3 dims over disjoint, overlapping or
+runs them all (tests/helpers/dtensor_reshard_worker.py): meshes of 1-3 dims over disjoint, overlapping or
 identical rank sets, Shard / _StridedShard / Replicate, uneven shapes, tensors of 1-4 dims, every
 dtype, DTensors and rank-list ShardSpecs.  Every destination shard must equal torch's own split of
 the full tensor, ``full_tensor()`` the full tensor, (same mesh) ``redistribute``'s result; bytes
@@ -186,7 +186,7 @@ def test_benchmark_smoke():
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from repo_paths import ROOT as root
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "dtensor_bench.py"), "--tensors", "3",
                           "--rows", "8", "--cols", "6", "--reps", "1"], capture_output=True, text=True, env=env, timeout=300)

@@ -1,4 +1,4 @@
-"""Adversarial cases run inside spawned gloo processes (tests/test_adversarial_*.py).
+"""Adversarial cases run inside spawned gloo processes (tests/core/*/test_adversarial_*.py).
 
 Every case records JSON facts: what was raised (type, message), whether destination and source
 tensors kept their exact bytes, and for successes whether the destination is bit-exact against

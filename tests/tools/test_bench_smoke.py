@@ -15,8 +15,8 @@ from mcore_reshard.tools import bench, costmodel
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.layout import Buffer, Layout, Piece
 from mcore_reshard.core.planner import make_plan
+from repo_paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _whole(lay: Layout, rank: int, name: str, shape, dtype="float32", box: Box | None = None):

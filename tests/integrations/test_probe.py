@@ -1,5 +1,5 @@
 """Layouts read from a loader by probing (``integrations.probe``), and vLLM's placement / sequence-parallel
-MoE rules, without an engine (the real engines: ``tests/test_engines.py``)."""
+MoE rules, without an engine (the real engines: ``tests/engines/test_engines.py``)."""
 from __future__ import annotations
 
 import pytest

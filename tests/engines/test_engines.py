@@ -1,7 +1,7 @@
 """The real engines in the loop: vLLM 0.33.0 and SGLang 0.5.23 model classes and loaders on CPU.
 
 ``./dev.sh test`` creates ``.venv-vllm`` / ``.venv-sglang`` (once, cached); each launch below runs
-``tests/engine_worker.py`` (or ``engine_refit.py``) under the engine venv's torchrun, four gloo
+``tests/engines/engine_worker.py`` (or ``engine_refit.py``) under the engine venv's torchrun, four gloo
 ranks, many cases per launch (an engine import costs 15-40 s).  Without an engine venv the tests
 skip, except under CI (``CI=true``, or ``MCORE_RESHARD_REQUIRE_ENGINES=1`` as ``.ci/run`` sets), where a
 missing engine venv fails.
@@ -26,10 +26,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import engine_cases  # noqa: E402
+import engine_cases
+from repo_paths import ENGINES_DIR, ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENVS = {"vllm": os.path.join(ROOT, ".venv-vllm"), "sglang": os.path.join(ROOT, ".venv-sglang")}
 IN_CI = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
          or os.environ.get("MCORE_RESHARD_REQUIRE_ENGINES", "") == "1")
@@ -86,7 +85,7 @@ def launch(engine: str, mode: str, cases: list, tmp, nproc: int = 4, script: str
     for attempt in (1, 2):
         shutil.rmtree(out, ignore_errors=True)
         cmd = [os.path.join(bindir, "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-               os.path.join(ROOT, "tests", script), engine, mode, job, out]
+               os.path.join(ENGINES_DIR, script), engine, mode, job, out]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                              start_new_session=True)
         try:

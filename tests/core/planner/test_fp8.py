@@ -1,11 +1,9 @@
 """FP8 in transit (issue #7): block-FP8 target layouts, the quantization plan, and a live gloo refit
-against an independent per-block reference quantizer (tests/fp8_workers.py).  No megatron-core:
+against an independent per-block reference quantizer (tests/helpers/fp8_workers.py).  No megatron-core:
 the Megatron-Core live tests are in test_fp8_megatron.py."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from math import prod
 
 import pytest
@@ -22,8 +20,7 @@ from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
 from mcore_reshard.targets import canonical_tensors, dsv3_671b, sglang_layout, vllm_layout
 from mcore_reshard.targets.vllm import experts_w13
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fp8_workers  # noqa: E402
+import fp8_workers
 
 L3 = "model.layers.3."
 

@@ -3,12 +3,13 @@ recorded, source untouched, resident memory flat.  CI runs 40 refits (with ``ver
 ``python examples/soak.py`` runs the full 100 (see RELIABILITY.md for the last numbers)."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from repo_paths import EXAMPLES_DIR
+
+sys.path.insert(0, EXAMPLES_DIR)   # examples/soak.py
 
 import soak  # noqa: E402
 from partial_launch import spawn_ok  # noqa: E402

@@ -30,8 +30,8 @@ from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
 from mcore_reshard.tools.launch import spawn
 from mcore_reshard.tools.synthetic import materialize, reference_tensor
 from mcore_reshard.targets import canonical_tensors, dsv3_tiny, from_hf_config, hf_layout, sglang_layout, vllm_layout
+from repo_paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = dsv3_tiny()
 DT = "float32"
 P, V, L = CFG.qk_nope_head_dim, CFG.v_head_dim, CFG.kv_lora_rank

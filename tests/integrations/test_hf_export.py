@@ -186,7 +186,7 @@ def _config(kind: str, **over):
 
 
 def _hand_written(kind: str, cfg):
-    """The configs earlier tests wrote by hand (tests/hf_refit_worker.py), which give Megatron's logits."""
+    """The configs earlier tests wrote by hand (tests/helpers/hf_refit_worker.py), which give Megatron's logits."""
     import hf_refit_worker
     if kind == "dsv3":
         return hf_refit_worker.hf_config(cfg, 128)

@@ -1,4 +1,4 @@
-"""The contract suite, generated from a table (tests/contract_cases.py): each public argument of the
+"""The contract suite, generated from a table (tests/helpers/contract_cases.py): each public argument of the
 core APIs (``make_plan``, ``Plan.from_json``, ``Resharder`` construction / ``refit`` / ``rebind`` /
 ``state``, ``MegatronRefit``'s numbers) x each class of bad value (wrong type, NaN / inf,
 negative, huge, empty, aliasing, wrong device, DTensor, inference tensor, rebound after bind).

@@ -1,6 +1,6 @@
 """Live refit into a REAL engine model, in the engine's venv (megatron-core installed beside it).
 
-    torchrun --nproc-per-node 4 tests/engine_refit.py vllm|sglang refit JOB.json OUT_DIR
+    torchrun --nproc-per-node 4 tests/engines/engine_refit.py vllm|sglang refit JOB.json OUT_DIR
 
 Ranks 0-1 are the trainer: a Megatron-Core DeepSeek-V3-style model (``mcore_cpu.build_dsv3_tiny``, TP2
 with EP2 / expert-TP 1) on its own gloo world.  Ranks 2-3 are the engine: the engine's real model class
@@ -26,7 +26,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "helpers")]   # engine scripts, shared helpers
 ENGINE = sys.argv[1]
 if ENGINE == "vllm":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

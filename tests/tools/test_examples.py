@@ -1,13 +1,13 @@
 """The examples run end to end at a small size (as a user would start them)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import ROOT
+
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
 
