@@ -12,8 +12,7 @@ Subpackages, in layer order (each imports only those above it in this list):
   integrations/  vLLM worker extension, SGLang loader, post-refit hooks, the engine-side protocol
   testing/       opt-in CPU shims for Megatron-Core on a CPU-only torch (nothing applies them unasked)
   tools/         CLI, demo, benchmarks, cost model, launch, progress (the library uses only progress bars)
-See docs/architecture.md.  The flat 0.1 module paths (mcore_reshard.planner, ...) remain as
-deprecated aliases for this release (:mod:`mcore_reshard._compat`).
+See docs/architecture.md.
 
 ``hf_config`` (the transformers config of a Megatron model), ``export_hf`` and the DTensor call
 (``reshard``, ``reshard_group``, ``MeshSpec``, ``ShardSpec``) are loaded on first use:
@@ -38,7 +37,3 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'mcore_reshard' has no attribute {name!r}")
 __version__ = "0.1.0"
-
-from . import _compat as _compat
-
-_compat.install()

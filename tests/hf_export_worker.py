@@ -13,7 +13,7 @@ import os
 
 import torch
 
-import mcore_cpu
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from mcore_reshard.testing import tiny_models
 from hf_refit_worker import HAND_MAP as RENAMES, _split_qkv   # Megatron -> HF name pieces, written by hand
 from megatron_refit_worker import _build, _digest, perturb_replicated, reference_full

@@ -4,7 +4,7 @@ every rank's outcome comes back.  Each child leaves with ``os._exit`` right afte
 process group broken on purpose never blocks teardown.
 
 Children start from a forkserver that has imported torch once (and Megatron-Core, with the same
-preload list as ``mcore_cpu.spawn``, so the two share one server): a launch costs ~1 s instead of
+preload list as ``megatron_cpu.spawn``, so the two share one server): a launch costs ~1 s instead of
 ~9 s of per-child imports on a 2-core machine.
 
 ``spawn_partial(fn, world, *args)`` -> ``{rank: {"ok": bool, "result": obj | None,
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 def _preload() -> list[str]:
     if importlib.util.find_spec("megatron") is not None:
         try:
-            import mcore_cpu
+            from mcore_reshard.testing import megatron_cpu as mcore_cpu
             return list(mcore_cpu._FORKSERVER_PRELOAD)
         except Exception:  # noqa: BLE001 - fall back to torch only
             pass

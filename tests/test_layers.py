@@ -69,9 +69,7 @@ def _imports(name: str, path: Path) -> set[str]:
         elif isinstance(n, ast.Import):
             out.update(a.name[len("mcore_reshard"):].lstrip(".") for a in n.names if a.name.startswith("mcore_reshard"))
     mods = _modules()
-    from mcore_reshard._compat import ALIASES
-    old = {t for t in out if t.split(".")[0] in ALIASES}
-    return {t for t in out if t in mods and t != name and t != ""} | {"_compat" for _ in old}
+    return {t for t in out if t in mods and t != name and t != ""}
 
 
 def _part(name: str) -> str:
@@ -89,13 +87,10 @@ def _rank(name: str) -> tuple[int, int]:
 def test_every_import_goes_down_the_layers():
     bad = []
     for name, path in _modules().items():
-        if name in ("", "_compat"):
-            continue      # the package root re-exports the core; _compat aliases old paths lazily
+        if name == "":
+            continue      # the package root re-exports the core
         me = _rank(name)
         for dep in _imports(name, path):
-            if dep == "_compat":
-                bad.append(f"{name} imports the deprecated aliases")
-                continue
             if dep == "" or _part(dep) == "" or dep in UTILITIES:
                 continue
             other = _rank(dep)
@@ -155,24 +150,6 @@ def test_no_module_or_unit_too_long():
                     and f"{name}.{n.name}" not in KNOWN_LONG:
                 long.append(f"{name}.{n.name}: {n.end_lineno - n.lineno + 1} lines")
     assert not long, "\n".join(long)
-
-
-def test_old_flat_paths_are_the_new_modules():
-    import importlib
-    import warnings
-
-    from mcore_reshard import _compat
-    for old, new in _compat.ALIASES.items():
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            mod = importlib.import_module(f"mcore_reshard.{old}")
-        assert mod is importlib.import_module(f"mcore_reshard.{new}"), old
-        assert mod.__spec__.name == f"mcore_reshard.{new}", f"alias {old} changed the module's own spec"
-    from mcore_reshard.executor import Resharder
-    from mcore_reshard.planner import make_plan
-    from mcore_reshard.core.executor import Resharder as R2
-    from mcore_reshard.core.planner import make_plan as m2
-    assert Resharder is R2 and make_plan is m2
 
 
 def test_every_subpackage_is_installed():

@@ -262,7 +262,7 @@ def test_plan_and_metadata_never_pickled():
 @pytest.mark.multiproc
 def test_megatron_refusals():
     pytest.importorskip("megatron.core")
-    from mcore_cpu import spawn as mspawn
+    from mcore_reshard.testing.megatron_cpu import spawn as mspawn
 
     import reliability_megatron_worker
 
