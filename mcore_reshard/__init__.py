@@ -11,7 +11,8 @@ Subpackages, in layer order (each imports only those above it in this list):
   export.py      export_hf: a live Megatron model to a Hugging Face directory (config derived by sources/hf_config)
   integrations/  vLLM worker extension, SGLang loader, post-refit hooks, the engine-side protocol
   testing/       opt-in CPU shims for Megatron-Core on a CPU-only torch (nothing applies them unasked)
-  tools/         CLI, demo, benchmarks, cost model, launch, progress (the library uses only progress bars)
+  tools/         CLI, demo, benchmarks, cost model, launch
+  util/          progress bars and memory readings (no resharding logic; imports nothing of the package)
 See docs/architecture.md.
 
 ``hf_config`` (the transformers config of a Megatron model), ``export_hf`` and the DTensor call

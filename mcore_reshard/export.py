@@ -43,10 +43,10 @@ import torch.distributed as dist
 from .core.executor import GatherChecked, ReshardError, Resharder, all_gather_json, all_or_none, dtype_name, torch_dtype
 from .mapper.family import canonicalize, load_family
 from .core.layout import Buffer, Layout
-from .tools.memstat import peak_bytes, reset_peak, rss_bytes
+from .util.memstat import peak_bytes, reset_peak, rss_bytes
 from .sources.megatron_model import family_for, model_config, read_layout
 from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
-from .tools.progress import bar
+from .util.progress import bar
 from .refit import _merge, _one_config
 
 INDEX = "model.safetensors.index.json"

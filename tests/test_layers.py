@@ -22,9 +22,8 @@ LAYERS = {
     "integrations": 4,
     "testing": 5,
     "tools": 6,
+    "util": -1,
 }
-# display utilities any layer may use (a progress bar, a memory reading: no library logic)
-UTILITIES = {"tools.progress", "tools.memstat"}
 # order inside core: layout descriptors, then the planner and DTensor views, then the executor
 CORE = {"box": 0, "mesh": 0, "layout": 1, "dtensor": 2, "planner": 2, "executor": 3}
 # pure metadata: no torch at all (the planner layer and everything it reads)
@@ -91,7 +90,7 @@ def test_every_import_goes_down_the_layers():
             continue      # the package root re-exports the core
         me = _rank(name)
         for dep in _imports(name, path):
-            if dep == "" or _part(dep) == "" or dep in UTILITIES:
+            if dep == "" or _part(dep) == "":
                 continue
             other = _rank(dep)
             same_part = _part(dep) == _part(name)

@@ -112,7 +112,7 @@ def cmd_bench(args) -> int:
         cases = [c for c in args.cases.split(";") if c] if args.cases else list(CASES)
         tag = "live_smoke" if args.smoke and not args.live else "live"
         rows = []
-        from ..progress import bar
+        from ...util.progress import bar
         for size in bar(sizes, desc="live sizes", unit="size"):   # one launch per size: a size that does not fit leaves the others' results
             _log(f"[bench] live {size}: cases {cases}, {reps} rep(s) after one warm-up, 4 processes")
             t0 = time.perf_counter()

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..memstat import peak_bytes, reset_peak, rss_bytes
+from ...util.memstat import peak_bytes, reset_peak, rss_bytes
 
 # Model sizes: DeepSeek-V3 shapes scaled down (MLA, first layer dense, routed + one shared expert,
 # expert bias), experts dominate the parameter count as in the real model.  Parameters counted on
@@ -436,7 +436,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     from ...refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
-    from ..progress import bar
+    from ...util.progress import bar
     work = bar(total=len(sizes) * len(cases), desc="rank 0 cases", unit="case", leave=False) if rank == 0 else None
     for size in sizes:
         d = SIZES[size]
