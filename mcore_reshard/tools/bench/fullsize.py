@@ -180,9 +180,10 @@ def _partial(path: str, name: str, error: str) -> dict:
 
 def _progress(results: list, path) -> None:
     if path:
-        _save(Path(path), results)
+        save_json(Path(path), results)
 
-def _save(path: Path, obj) -> None:
+def save_json(path: Path, obj) -> None:
+    """``obj`` as indented JSON at ``path`` (parent folders created)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)

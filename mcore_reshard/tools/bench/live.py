@@ -129,7 +129,7 @@ def build_dsv3_scaled(mcore_cpu, d: dict, dtype: torch.dtype) -> list:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from ...testing import tiny_models
-    kw = tiny_models._base_config_kwargs(dtype, False, None, None, None, None)
+    kw = tiny_models.base_config_kwargs(dtype, False, None, None, None, None)
     L = d["layers"]
     config = MLATransformerConfig(
         num_layers=L, hidden_size=d["hidden"], num_attention_heads=d["heads"], ffn_hidden_size=d["ffn"],
@@ -139,8 +139,8 @@ def build_dsv3_scaled(mcore_cpu, d: dict, dtype: torch.dtype) -> list:
         moe_shared_expert_intermediate_size=d["moe_ffn"], moe_layer_freq=[0] + [1] * (L - 1),
         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
         moe_router_num_groups=4, moe_router_group_topk=2, moe_router_pre_softmax=True, mtp_num_layers=None,
-        **tiny_models._moe_kwargs("alltoall", "seq_aux_loss"), **kw)
-    return tiny_models._build_chunks(config, d["vocab"], share_embeddings=False, mtp=False)
+        **tiny_models.moe_kwargs("alltoall", "seq_aux_loss"), **kw)
+    return tiny_models.build_chunks(config, d["vocab"], share_embeddings=False, mtp=False)
 
 
 def _build(mcore_cpu, d: dict, sizes: dict, dtype: torch.dtype) -> list:
