@@ -26,7 +26,7 @@ import time
 
 from mcore_reshard.core.planner import make_plan, plan_part, validate_plan
 from mcore_reshard.tools import bench
-from mcore_reshard.tools.memstat import peak_bytes, reset_peak, rss_bytes
+from mcore_reshard.util.memstat import peak_bytes, reset_peak, rss_bytes
 
 BUDGET = 256 << 20
 

@@ -1,19 +1,19 @@
 """mcore-reshard: shard-to-shard resharding of live Megatron-Core weights.
 
-Subpackages, in layer order (each imports only those above it in this list):
-  core/          layout descriptors (box, mesh, layout, dtensor), planner (pure), executor (torch.distributed)
-  mapper/        source names and fused buffers -> canonical (Hugging Face) tensors, from layouts/*.toml
-  sources/       layouts read from live models: Megatron-Core (or its dims alone), transformers
-  targets/       layouts of inference engines: Hugging Face, vLLM, SGLang (metadata only)
-  fp8/           FP8 in transit: FP8 target layouts, block-owner plans, quantizing executor
-  refit.py       MegatronRefit: read, exchange, map, plan, bind -- the one-call API
-  dtensor_reshard.py  reshard(src, dst): DTensors (or rank-list ShardSpecs) in, DTensors out; reshard_group
-  export.py      export_hf: a live Megatron model to a Hugging Face directory (config derived by sources/hf_config)
-  integrations/  vLLM worker extension, SGLang loader, post-refit hooks, the engine-side protocol
-  testing/       opt-in CPU shims for Megatron-Core on a CPU-only torch (nothing applies them unasked)
-  tools/         CLI, demo, benchmarks, cost model, launch, progress (the library uses only progress bars)
-See docs/architecture.md.  The flat 0.1 module paths (mcore_reshard.planner, ...) remain as
-deprecated aliases for this release (:mod:`mcore_reshard._compat`).
+The layers, numbered (every import points down: a layer imports only lower-numbered ones):
+  1 layout descriptors  core/box, core/mesh, core/layout, core/dtensor; sources/ (layouts read from live
+                        models: Megatron-Core or its dims alone, transformers)
+  2 mapper              mapper/ (source names and fused buffers -> canonical Hugging Face tensors, from
+                        layouts/*.toml); targets/ (Hugging Face, vLLM, SGLang layouts, metadata only);
+                        fp8/layout; sources/hf_config (a Megatron model's transformers config)
+  3 planner             core/planner/ (pure data); fp8/'s block-owner plans
+  4 executor            core/executor/ (the only code moving bytes); fp8/refit (quantizing Resharder)
+  5 integrations        refit.py (MegatronRefit: read, exchange, map, plan, bind -- the one-call API),
+                        export.py (export_hf), dtensor_reshard.py (reshard, reshard_group), integrations/
+                        (vLLM and SGLang in place), sources/megatron_dtensor
+Under every layer: util/ (progress bars, memory readings), core/gcpause.  Outside the library (never
+imported by it): tools/ (CLI, demo, benchmarks, cost model, launch), testing/ (opt-in CPU shims for
+Megatron-Core).  README.md "The layers" and tests/test_layers.py hold the same table; see docs/architecture.md.
 
 ``hf_config`` (the transformers config of a Megatron model), ``export_hf`` and the DTensor call
 (``reshard``, ``reshard_group``, ``MeshSpec``, ``ShardSpec``) are loaded on first use:
@@ -38,7 +38,3 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'mcore_reshard' has no attribute {name!r}")
 __version__ = "0.1.0"
-
-from . import _compat as _compat
-
-_compat.install()

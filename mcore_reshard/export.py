@@ -42,12 +42,12 @@ import torch.distributed as dist
 
 from .core.executor import GatherChecked, ReshardError, Resharder, all_gather_json, all_or_none, dtype_name, torch_dtype
 from .mapper.family import canonicalize, load_family
-from .core.layout import Buffer, Layout
-from .tools.memstat import peak_bytes, reset_peak, rss_bytes
+from .core.layout import Buffer, Layout, merge_layouts
+from .util.memstat import peak_bytes, reset_peak, rss_bytes
 from .sources.megatron_model import family_for, model_config, read_layout
 from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
-from .tools.progress import bar
-from .refit import _merge, _one_config
+from .util.progress import bar
+from .refit import agreed_config
 
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
@@ -160,7 +160,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
         g.payload.update(src=src_l.to_json(), cfg=model_config(model_chunks), hf=hf_cfg)
     parts = g.parts
     with all_or_none(group, timeout=timeout):
-        config = dict(_one_config([p["cfg"] for p in parts], "source"))
+        config = dict(agreed_config([p["cfg"] for p in parts], "source"))
         if not config:
             raise ReshardError("export_hf: no rank of the group passed model chunks")
         if vocab_size is not None:
@@ -170,7 +170,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             raise ReshardError("export_hf: ranks derive different transformers configs from their chunks")
         hf_cfg = hf_cfgs[0]
         fam = load_family(family_for(config) if family == "auto" else family)
-        src = canonicalize(_merge([p["src"] for p in parts]), fam, config)
+        src = canonicalize(merge_layouts([p["src"] for p in parts]), fam, config)
         dst = _dst_layout(src, hf_cfg, on_rank, want_dtype)
         groups = shard_groups(dst, on_rank, memory_bytes)
         n = len(groups)

@@ -39,8 +39,7 @@ from .core.executor.common import check_timeout
 from .mapper.family import canonicalize, load_family
 from .fp8.plan import make_fp8_plan
 from .fp8.refit import Fp8Resharder
-from .core.gcpause import paused_gc
-from .core.layout import Layout
+from .core.layout import Layout, merge_layouts
 from .sources.megatron_model import family_for, model_config, read_layout
 from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
 
@@ -49,35 +48,9 @@ ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_grou
              "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "vocab_size", "mtp_num_layers")
 
 
-@paused_gc()
-def _merge(parts: list[dict]) -> Layout:
-    """One layout of every rank's JSON part.  Parts on disjoint ranks that agree on their tensors
-    are read as one JSON layout, so replicas on different ranks share one Buffer object
-    (:meth:`Layout.from_json`); otherwise part by part, which names the conflict."""
-    tensors: dict = {}
-    buffers: dict = {}
-    joint = True
-    for part in parts:
-        for n, meta in part["tensors"].items():
-            if tensors.setdefault(n, meta) != meta:
-                joint = False
-        if not buffers.keys().isdisjoint(part["buffers"]):
-            joint = False
-        buffers.update(part["buffers"])
-    if joint:
-        return Layout.from_json({"tensors": tensors, "buffers": buffers})
-    lay = Layout()
-    for part in parts:
-        piece = Layout.from_json(part)
-        for name, meta in piece.tensors.items():
-            lay.add_tensor(name, meta.shape, meta.dtype)
-        for r, bufs in piece.buffers.items():
-            for b in bufs.values():
-                lay.add_buffer(r, b)
-    return lay
-
-
-def _one_config(configs: list[dict], side: str) -> dict:
+def agreed_config(configs: list[dict], side: str) -> dict:
+    """The model config every rank of ``side`` reported (``{}`` on ranks holding no model are skipped);
+    a :class:`ReshardError` naming the ``ARCH_KEYS`` on which two ranks disagree."""
     seen = [c for c in configs if c]
     if not seen:
         return {}
@@ -123,8 +96,8 @@ class MegatronRefit:
         # Everything below is deterministic given the gathered parts, but any failure is still
         # exchanged so that no rank can be left waiting in the Resharder's handshake.
         with all_or_none(group, timeout=timeout):
-            src_cfg = _one_config([p["src_cfg"] for p in parts], "source")
-            dst_cfg = _one_config([p["dst_cfg"] for p in parts], "destination")
+            src_cfg = agreed_config([p["src_cfg"] for p in parts], "source")
+            dst_cfg = agreed_config([p["dst_cfg"] for p in parts], "destination")
             canonical_dst = any(p["canonical_dst"] for p in parts)
             if canonical_dst:
                 dst_cfg = src_cfg   # a non-Megatron target: its shapes are checked tensor by tensor by the planner
@@ -135,8 +108,8 @@ class MegatronRefit:
             if vocab_size is not None:
                 config["vocab_size"] = vocab_size
             self.family = load_family(family_for(config) if family == "auto" else family)
-            src = _merge([p["src"] for p in parts])
-            dst = _merge([p["dst"] for p in parts])
+            src = merge_layouts([p["src"] for p in parts])
+            dst = merge_layouts([p["dst"] for p in parts])
             self.src_layout = canonicalize(src, self.family, config)
             self.dst_layout = dst if canonical_dst else canonicalize(dst, self.family, config)
             if quantize is not None and topology is not None:

@@ -1,6 +1,6 @@
-"""The package's shape: each layer imports only the layers below it, the pure layers never import
-torch, and only the executor moves bytes (static checks of the source, every import included,
-also the lazy ones inside functions)."""
+"""The package's shape: the project's one numbering of its layers (the same table as README.md "The
+layers"), every import pointing down it, the pure layers never importing torch, and only the executor
+moving bytes (static checks of the source, every import included, also the lazy ones inside functions)."""
 from __future__ import annotations
 
 import ast
@@ -11,22 +11,25 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "mcore_reshard"
 
-# layer of each part of the package (a module may import its own part and lower layers only);
-# parts of one layer are independent of each other
+# The layers, by number and name.  Each layer is a list of tiers, each tier a tuple of units; a unit is a
+# package or module of mcore_reshard (a module belongs to the longest unit its name starts with) and its
+# modules import each other freely.  A unit may import: units of lower layers, units of earlier tiers of
+# its own layer, and UNDER -- never a sibling of its own tier, a later tier, a higher layer, or anything
+# OUTSIDE the library.  Two modules of sources/ sit where what they use puts them: hf_config reads the
+# family tables (mapper), megatron_dtensor gathers over the world and builds DTensors (next to
+# dtensor_reshard).
 LAYERS = {
-    "core": 0,
-    "mapper": 1,
-    "sources": 2, "targets": 2, "fp8": 2,
-    "refit": 3, "dtensor_reshard": 3,
-    "export": 4,
-    "integrations": 4,
-    "testing": 5,
-    "tools": 6,
+    1: ("layout descriptors", [("core.box", "core.mesh"), ("core.layout",), ("core.dtensor",), ("sources",)]),
+    2: ("mapper", [("mapper", "targets"), ("fp8.layout", "sources.hf_config")]),
+    3: ("planner", [("core.planner",), ("fp8.regions",), ("fp8.groups",), ("fp8.shared",), ("fp8.plan",)]),
+    4: ("executor", [("core.executor",), ("fp8.refit",)]),
+    5: ("integrations", [("refit", "dtensor_reshard", "integrations", "sources.megatron_dtensor"), ("export",)]),
 }
-# display utilities any layer may use (a progress bar, a memory reading: no library logic)
-UTILITIES = {"tools.progress", "tools.memstat"}
-# order inside core: layout descriptors, then the planner and DTensor views, then the executor
-CORE = {"box": 0, "mesh": 0, "layout": 1, "dtensor": 2, "planner": 2, "executor": 3}
+# under every layer, importing nothing of the package: utilities with no resharding logic, and the
+# packages that span layers (their __init__ only documents)
+UNDER = ("util", "core.gcpause", "core", "fp8")
+# not the library: may import it, never imported by it; testing never imports tools
+OUTSIDE = ("tools", "testing")
 # pure metadata: no torch at all (the planner layer and everything it reads)
 PURE = ("core.box", "core.mesh", "core.layout", "core.planner", "mapper", "targets", "fp8.layout", "fp8.plan", "fp8.shared",
         "fp8.groups", "fp8.regions")
@@ -69,42 +72,88 @@ def _imports(name: str, path: Path) -> set[str]:
         elif isinstance(n, ast.Import):
             out.update(a.name[len("mcore_reshard"):].lstrip(".") for a in n.names if a.name.startswith("mcore_reshard"))
     mods = _modules()
-    from mcore_reshard._compat import ALIASES
-    old = {t for t in out if t.split(".")[0] in ALIASES}
-    return {t for t in out if t in mods and t != name and t != ""} | {"_compat" for _ in old}
+    return {t for t in out if t in mods and t != name and t != ""}
 
 
-def _part(name: str) -> str:
-    return name.split(".")[0]
+def _unit(name: str) -> str:
+    """The longest unit (of LAYERS, UNDER or OUTSIDE) that module ``name`` belongs to."""
+    units = [u for _, tiers in LAYERS.values() for tier in tiers for u in tier] + list(UNDER) + list(OUTSIDE)
+    found = [u for u in units if name == u or name.startswith(u + ".")]
+    if not found:
+        pytest.fail(f"module mcore_reshard.{name} has no layer: add it to LAYERS (or UNDER / OUTSIDE) in {__file__}")
+    unit = max(found, key=len)
+    if unit in ("core", "fp8") and name != unit:
+        pytest.fail(f"module mcore_reshard.{name} has no layer: add it to LAYERS in {__file__}")
+    return unit
 
 
-def _rank(name: str) -> tuple[int, int]:
-    part = _part(name)
-    if part not in LAYERS:
-        pytest.fail(f"module mcore_reshard.{name}: part {part!r} has no layer; add it to LAYERS in {__file__}")
-    sub = CORE.get(name.split(".")[1], 0) if part == "core" and "." in name else 0
-    return LAYERS[part], sub
+def _place(unit: str) -> tuple[int, int] | None:
+    """(layer, tier) of a unit of LAYERS; None for UNDER and OUTSIDE."""
+    for layer, (_, tiers) in LAYERS.items():
+        for tier, units in enumerate(tiers):
+            if unit in units:
+                return layer, tier
+    return None
+
+
+def _wrong_import(name: str, dep: str) -> str | None:
+    """Why module ``name`` must not import module ``dep`` (None when it may)."""
+    me, other = _unit(name), _unit(dep)
+    if me == other:
+        return None
+    if me in UNDER:
+        return f"{name} ({me}: under every layer) imports {dep}: it must import nothing of the package"
+    if other in UNDER:
+        return None
+    if other in OUTSIDE:
+        if me == "tools":
+            return None
+        if me in OUTSIDE:
+            return f"{name} imports {dep}: {me}/ never imports {other}/"
+        return f"{name} imports {dep}: {other}/ is outside the library, never imported by it"
+    if me in OUTSIDE:
+        return None
+    (lm, tm), (lo, to) = _place(me), _place(other)
+    if lo < lm or (lo == lm and to < tm):
+        return None
+    where = "a higher layer" if lo > lm else "a later tier of its layer" if to > tm else "a sibling of its tier"
+    return (f"{name} (layer {lm} {LAYERS[lm][0]}) imports {dep} (layer {lo} {LAYERS[lo][0]}): "
+            f"{where}; imports point down the layers")
+
+
+def _wrong_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [why for name, deps in sorted(graph.items()) if name for dep in sorted(deps)
+            if (why := _wrong_import(name, dep))]
 
 
 def test_every_import_goes_down_the_layers():
-    bad = []
-    for name, path in _modules().items():
-        if name in ("", "_compat"):
-            continue      # the package root re-exports the core; _compat aliases old paths lazily
-        me = _rank(name)
-        for dep in _imports(name, path):
-            if dep == "_compat":
-                bad.append(f"{name} imports the deprecated aliases")
-                continue
-            if dep == "" or _part(dep) == "" or dep in UTILITIES:
-                continue
-            other = _rank(dep)
-            same_part = _part(dep) == _part(name)
-            if same_part and _part(name) != "core":
-                continue
-            if other[0] > me[0] or (other[0] == me[0] and not same_part) or (same_part and other[1] > me[1]):
-                bad.append(f"{name} (layer {me}) imports {dep} (layer {other})")
+    """The package root (``mcore_reshard/__init__``) is the front door above layer 5: it re-exports."""
+    bad = _wrong_imports({name: _imports(name, path) for name, path in _modules().items() if name})
     assert not bad, "\n".join(bad)
+
+
+def test_a_wrong_import_is_caught(tmp_path):
+    """The check fails on imports that break the numbering: the layout importing the planner (up),
+    the mapper importing a target layout (sibling), the planner importing the CLI (outside), a
+    utility importing the library (under); and lets a downward import and a utility through."""
+    layout = tmp_path / "layout.py"
+    layout.write_text("from .box import Box\n\ndef f():\n    from .planner import make_plan\n")
+    assert _imports("core.layout", layout) == {"core.box", "core.planner"}
+    bad = _wrong_imports({"core.layout": _imports("core.layout", layout)})
+    assert len(bad) == 1 and "core.layout (layer 1 layout descriptors) imports core.planner (layer 3" in bad[0], bad
+    assert "a sibling of its tier" in _wrong_import("mapper.family", "targets.vllm")
+    assert "a later tier" in _wrong_import("core.layout", "sources.megatron_model")
+    assert "outside the library" in _wrong_import("core.planner", "tools.cli")
+    assert "import nothing" in _wrong_import("util.progress", "core.box")
+    assert "testing/ never imports tools/" in _wrong_import("testing.tiny_models", "tools.launch")
+    assert _wrong_import("export", "refit") is None and _wrong_import("core.planner", "util.progress") is None
+    assert _wrong_import("tools.cli", "testing.megatron_cpu") is None
+
+
+def test_the_readme_states_the_same_layers():
+    text = (PKG.parent / "README.md").read_text()
+    missing = [f"| {n} | {name} |" for n, (name, _) in LAYERS.items() if f"| {n} | {name} |" not in text]
+    assert not missing, f"README.md's layer table lacks rows {missing} (tests/test_layers.py LAYERS is the reference)"
 
 
 def test_no_import_cycle_between_modules():
@@ -155,24 +204,6 @@ def test_no_module_or_unit_too_long():
                     and f"{name}.{n.name}" not in KNOWN_LONG:
                 long.append(f"{name}.{n.name}: {n.end_lineno - n.lineno + 1} lines")
     assert not long, "\n".join(long)
-
-
-def test_old_flat_paths_are_the_new_modules():
-    import importlib
-    import warnings
-
-    from mcore_reshard import _compat
-    for old, new in _compat.ALIASES.items():
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            mod = importlib.import_module(f"mcore_reshard.{old}")
-        assert mod is importlib.import_module(f"mcore_reshard.{new}"), old
-        assert mod.__spec__.name == f"mcore_reshard.{new}", f"alias {old} changed the module's own spec"
-    from mcore_reshard.executor import Resharder
-    from mcore_reshard.planner import make_plan
-    from mcore_reshard.core.executor import Resharder as R2
-    from mcore_reshard.core.planner import make_plan as m2
-    assert Resharder is R2 and make_plan is m2
 
 
 def test_every_subpackage_is_installed():

@@ -332,3 +332,45 @@ class Layout:
     def offset_ranks(self, delta: int) -> "Layout":
         """The same layout on ranks shifted by ``delta`` (e.g. inference ranks after the trainer's)."""
         return Layout(dict(self.tensors), {r + delta: dict(b) for r, b in self.buffers.items()})
+
+
+@paused_gc()
+def merge_layouts(parts: Iterable[Layout | Mapping]) -> Layout:
+    """One layout of several parts (each a :class:`Layout` or its JSON, :meth:`Layout.to_json`), e.g.
+    every rank's own part gathered from the group, or engine layouts built from specs plus parts.
+
+    JSON parts on disjoint ranks that agree on their tensors are read as one JSON layout, so replicas
+    on different ranks share one Buffer object; anything else is added part by part.  Refused with a
+    :class:`LayoutError`: a tensor declared with two shapes or dtypes, a rank's buffer in two parts::
+
+        rank | part A (JSON)   | part B (JSON)   | merged
+        0    | w [0:2) of w[4] |                 | w [0:2)  (one Buffer object on ranks 0 and 2)
+        1    |                 | w [2:4)         | w [2:4)
+        2    |                 | w [0:2)         | w [0:2)
+    """
+    parts = list(parts)
+    if not any(isinstance(p, Layout) for p in parts):
+        tensors: dict = {}
+        buffers: dict = {}
+        joint = True
+        for part in parts:
+            for n, meta in part["tensors"].items():
+                if tensors.setdefault(n, meta) != meta:
+                    joint = False
+            if not buffers.keys().isdisjoint(part["buffers"]):
+                joint = False
+            buffers.update(part["buffers"])
+        if joint:
+            return Layout.from_json({"tensors": tensors, "buffers": buffers})
+    out = Layout()
+    for part in parts:
+        piece = part if isinstance(part, Layout) else Layout.from_json(part)
+        for name, meta in piece.tensors.items():
+            out.add_tensor(name, meta.shape, meta.dtype)
+        for r, bufs in piece.buffers.items():       # checked against the same tensors in their part
+            mine = out.buffers.setdefault(r, {})
+            for b in bufs.values():
+                if b.name in mine:
+                    raise LayoutError(f"rank {r} has two buffers named {b.name}: two parts describe it")
+                mine[b.name] = b
+    return out

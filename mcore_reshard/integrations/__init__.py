@@ -1,4 +1,4 @@
-"""Inference-engine integrations: refit a running vLLM or SGLang engine in place from the trainer.
+"""Inference-engine integrations (layer 5): refit a running vLLM or SGLang engine in place from the trainer.
 
 * :mod:`.protocol` -- the protocol every side runs: :func:`join_group` (one process group for the
   trainer ranks and the engine workers, next to the engine's own world), :func:`join_refit` (exchange

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.executor import ReshardError, Resharder, all_gather_json, all_or_none, dtype_name
-from ..core.layout import Layout, LayoutError
+from ..core.layout import Layout, LayoutError, merge_layouts
 from ..core.planner import DEFAULT_BUDGET, make_plan
 
 ENGINES = ("vllm", "sglang", "hf", "megatron")
@@ -306,19 +306,6 @@ def timed_refit(resharder: Resharder, rank: int, version: int | None, *, refusal
 
 # ----------------------------------------------------------------------------------- the protocol
 
-def _merge(layouts: Iterable[Layout]) -> Layout:
-    out = Layout()
-    for lay in layouts:
-        for name, meta in lay.tensors.items():
-            out.add_tensor(name, meta.shape, meta.dtype)
-        for r, bufs in lay.buffers.items():
-            for b in bufs.values():
-                if b.name in out.buffers.get(r, {}):
-                    raise LayoutError(f"rank {r} buffer {b.name} is described twice (two specs or parts overlap)")
-                out.buffers.setdefault(r, {})[b.name] = b
-    return out
-
-
 def _side(payloads: list[dict], side: str) -> Layout:
     parts, specs = [], {}
     for p in payloads:
@@ -328,7 +315,7 @@ def _side(payloads: list[dict], side: str) -> Layout:
         if spec is not None:
             specs.setdefault(_spec_key(spec), spec)
     built = [build_layout(specs[k]) for k in sorted(specs)]
-    return _merge(built + parts)
+    return merge_layouts(built + parts)
 
 
 def _spec_key(spec: Mapping) -> str:

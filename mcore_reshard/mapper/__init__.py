@@ -4,5 +4,6 @@
   (renames, ``[gate; up]`` splits, GQA-interleaved ``linear_qkv``, experts, vocab padding);
 * :mod:`.fp8_rules` -- a family's ``[fp8]`` table (which tensors a block-FP8 checkpoint quantizes).
 
-Imports only :mod:`mcore_reshard.core`.
+Imports only layer 1 (:mod:`mcore_reshard.core`'s box and layout); :mod:`mcore_reshard.targets`
+is its sibling in layer 2 (neither imports the other).
 """

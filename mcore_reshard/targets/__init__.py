@@ -1,4 +1,5 @@
-"""Target layouts: where inference engines keep the canonical (Hugging Face) tensors.
+"""Target layouts (layer 2, next to the mapper): where inference engines keep the canonical
+(Hugging Face) tensors.
 
 * :func:`hf_layout` -- unsharded Hugging Face tensors on one rank (stacked or per-expert names);
 * :func:`vllm_layout` -- every rank of a vLLM deployment (TP, DP, EP, PP, MTP draft model);
@@ -7,7 +8,8 @@
 * :mod:`.config` -- :class:`ModelConfig` (HF field names), presets, :func:`canonical_tensors`.
 
 All layouts are metadata only (no torch), built from a :class:`ModelConfig`; plan a refit with
-``make_plan(canonicalize(megatron_layout, family, cfg), vllm_layout(cfg, tp=8))``.
+``make_plan(canonicalize(megatron_layout, family, cfg), vllm_layout(cfg, tp=8))``.  Imports only
+layer 1 (:mod:`mcore_reshard.core`'s box and layout).
 """
 from .config import (ModelConfig, canonical_tensors, dsv3_671b, dsv3_tiny, from_hf_config, gqa_tiny,
                      layer_tensors, qwen3_moe_tiny)

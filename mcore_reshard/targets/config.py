@@ -131,7 +131,7 @@ def dsv3_671b() -> ModelConfig:
 
 
 def dsv3_tiny(num_nextn_predict_layers: int = 1, n_routed_experts: int = 8) -> ModelConfig:
-    """The tiny Megatron test model (``tests/mcore_cpu.build_dsv3_tiny``) in HF terms."""
+    """The tiny Megatron test model (``mcore_reshard.testing.megatron_cpu.build_dsv3_tiny``) in HF terms."""
     return ModelConfig(
         model_type="deepseek_v3", hidden_size=64, num_hidden_layers=4, vocab_size=128,
         num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=128,
@@ -142,7 +142,7 @@ def dsv3_tiny(num_nextn_predict_layers: int = 1, n_routed_experts: int = 8) -> M
 
 def gqa_tiny(num_key_value_heads: int = 4, tie_word_embeddings: bool = False, attention_bias: bool = False,
              vocab_size: int = 128) -> ModelConfig:
-    """``tests/mcore_cpu.build_gqa_dense_tiny``: hidden 64, 8 heads of 8, SwiGLU 128, 4 layers."""
+    """``mcore_reshard.testing.megatron_cpu.build_gqa_dense_tiny``: hidden 64, 8 heads of 8, SwiGLU 128, 4 layers."""
     return ModelConfig(
         model_type="qwen2" if attention_bias else "llama", hidden_size=64, num_hidden_layers=4,
         vocab_size=vocab_size, num_attention_heads=8, num_key_value_heads=num_key_value_heads, head_dim=8,
@@ -150,7 +150,7 @@ def gqa_tiny(num_key_value_heads: int = 4, tie_word_embeddings: bool = False, at
 
 
 def qwen3_moe_tiny(num_key_value_heads: int = 4, n_routed_experts: int = 8) -> ModelConfig:
-    """``tests/mcore_cpu.build_qwen3_moe_tiny``: 8 heads of 16, q/k norms, 8 experts of 32."""
+    """``mcore_reshard.testing.megatron_cpu.build_qwen3_moe_tiny``: 8 heads of 16, q/k norms, 8 experts of 32."""
     return ModelConfig(
         model_type="qwen3_moe", hidden_size=64, num_hidden_layers=4, vocab_size=128, num_attention_heads=8,
         num_key_value_heads=num_key_value_heads, head_dim=16, intermediate_size=128,

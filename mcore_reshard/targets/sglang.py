@@ -43,7 +43,7 @@ from dataclasses import replace
 from ..core.gcpause import paused_gc
 from ..core.layout import Layout, LayoutError
 from .config import ModelConfig
-from .vllm import EngineNames, LayoutBuilder, RankPlan
+from .vllm import EngineNames, LayoutBuilder, RankShards
 
 A2A_REPLICATED_SHARED = ("deepep", "mooncake")
 DP_ATTENTION_FAMILIES = ("deepseek_v3", "qwen3_moe")   # their attention and embedding follow DP attention
@@ -105,7 +105,7 @@ def sglang_layout(config: ModelConfig, tp: int, dp: int = 1, ep: int = 1, enable
                 embed = attn_par
             else:
                 embed = (tp, t)
-            plan = RankPlan(
+            shards = RankShards(
                 attn=attn,
                 dense=(1, 0) if moe_dense_tp_size == 1 else (tp, t),
                 shared=(1, 0) if moe_a2a_backend in A2A_REPLICATED_SHARED else (tp, t),
@@ -114,14 +114,14 @@ def sglang_layout(config: ModelConfig, tp: int, dp: int = 1, ep: int = 1, enable
                 final_norm=True, moe_tp=(m, t % m), experts=tuple(range(ep_rank * e_loc, (ep_rank + 1) * e_loc)),
                 fuse_shared=fuse, layers=(0, cfg.num_hidden_layers))
             if cfg.tie_word_embeddings:
-                plan = replace(plan, head=None)
-            b.main_model(rank, plan)
+                shards = replace(shards, head=None)
+            b.main_model(rank, shards)
             if mtp:
                 layer = cfg.num_hidden_layers
                 p, c = mtp_prefix + "model.", f"model.layers.{layer}."
                 bufs = [b.whole(p + s, c + s) for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
                                                          "shared_head.norm.weight")]
-                b.add(rank, bufs + b.layer(layer, p + "decoder.", plan))
+                b.add(rank, bufs + b.layer(layer, p + "decoder.", shards))
     return b.finish()
 
 

@@ -177,11 +177,11 @@ def linear_expert_map(num_experts: int, ep: int, ep_rank: int) -> range:
     return range(start, start + base + (1 if ep_rank < rem else 0))
 
 
-# ----------------------------------------------------------------------------------- rank plans
+# ----------------------------------------------------------------------------- what each rank holds
 
 @dataclass(frozen=True)
-class RankPlan:
-    """How one rank holds each kind of weight: ``(size, rank)`` splits, experts, stage."""
+class RankShards:
+    """The shards one rank holds of each kind of weight: ``(size, rank)`` splits, experts, stage."""
     attn: tuple[int, int]
     dense: tuple[int, int]
     shared: tuple[int, int]
@@ -241,23 +241,23 @@ class LayoutBuilder(_RankBuffers):
     checked once, then reused), so that 671B x 256 ranks builds in seconds: the engine's buffers
     of a decoder layer, the vocabulary and the whole main model of one rank."""
 
-    def layer(self, layer: int, rt: str, plan: RankPlan) -> list[Buffer]:
+    def layer(self, layer: int, rt: str, shards: RankShards) -> list[Buffer]:
         """Buffers of canonical layer ``layer`` under runtime prefix ``rt`` (e.g.
         ``model.layers.3.`` or ``model.layers.61.mtp_block.``).  Parts are cached by what they
         depend on, so ranks share buffer objects wherever their boxes agree."""
         cfg = self.cfg
         out = list(self.cached(("rep", layer, rt), lambda: self._replicated(layer, rt)))
-        out += self.cached(("attn", layer, rt, plan.attn), lambda: self._attn(layer, rt, *plan.attn))
+        out += self.cached(("attn", layer, rt, shards.attn), lambda: self._attn(layer, rt, *shards.attn))
         c = f"model.layers.{layer}."
         if cfg.is_moe_layer(layer):
-            out += self.cached(("experts", layer, rt, plan.moe_tp, plan.experts, plan.fuse_shared),
-                               lambda: self._experts(layer, rt, plan))
-            if cfg.n_shared_experts and not plan.fuse_shared:
-                out += self.cached(("shared", layer, rt, plan.shared),
-                                   lambda: self._mlp(rt, c, self.shapes(layer), plan.shared, "mlp.shared_experts"))
+            out += self.cached(("experts", layer, rt, shards.moe_tp, shards.experts, shards.fuse_shared),
+                               lambda: self._experts(layer, rt, shards))
+            if cfg.n_shared_experts and not shards.fuse_shared:
+                out += self.cached(("shared", layer, rt, shards.shared),
+                                   lambda: self._mlp(rt, c, self.shapes(layer), shards.shared, "mlp.shared_experts"))
         else:
-            out += self.cached(("dense", layer, rt, plan.dense),
-                               lambda: self._mlp(rt, c, self.shapes(layer), plan.dense, "mlp"))
+            out += self.cached(("dense", layer, rt, shards.dense),
+                               lambda: self._mlp(rt, c, self.shapes(layer), shards.dense, "mlp"))
         return out
 
     def _replicated(self, layer: int, rt: str) -> list[Buffer]:
@@ -310,21 +310,21 @@ class LayoutBuilder(_RankBuffers):
         return [merged_column(rt + f"{stem}.gate_up_proj.weight", [(c + g, S[g]), (c + u, S[u])], self.dtype, n, i),
                 sharded(rt + d, c + d, S[d], self.dtype, n, i, dim=1)]
 
-    def _experts(self, layer: int, rt: str, plan: RankPlan) -> list[Buffer]:
+    def _experts(self, layer: int, rt: str, shards: RankShards) -> list[Buffer]:
         cfg, dt = self.cfg, self.dtype
         c = f"model.layers.{layer}."
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
-        m, j = plan.moe_tp
+        m, j = shards.moe_tp
         shared13 = shared2 = None
-        if plan.fuse_shared:
+        if shards.fuse_shared:
             if cfg.shared_intermediate_size != I:
                 raise LayoutError(f"cannot fuse {cfg.n_shared_experts} shared experts of {cfg.shared_intermediate_size} "
                                   f"into expert slots of {I}")
             shared13 = (c + "mlp.shared_experts.gate_proj.weight", c + "mlp.shared_experts.up_proj.weight")
             shared2 = c + "mlp.shared_experts.down_proj.weight"
         ex = self.names.experts
-        return [experts_w13(rt + ex + "w13_weight", c + "mlp.experts.gate_up_proj", plan.experts, I, H, dt, m, j, shared13),
-                experts_w2(rt + ex + "w2_weight", c + "mlp.experts.down_proj", plan.experts, I, H, dt, m, j, shared2)]
+        return [experts_w13(rt + ex + "w13_weight", c + "mlp.experts.gate_up_proj", shards.experts, I, H, dt, m, j, shared13),
+                experts_w2(rt + ex + "w2_weight", c + "mlp.experts.down_proj", shards.experts, I, H, dt, m, j, shared2)]
 
     # ------------------------------------------------------------------ globals
     def vocab(self, rt_name: str, tensor: str, split: tuple[int, int]) -> Buffer:
@@ -336,17 +336,17 @@ class LayoutBuilder(_RankBuffers):
         meta = self.layout.tensors[tensor]
         return self.cached(("whole", rt_name, tensor), lambda: replicated(rt_name, tensor, meta.shape, meta.dtype))
 
-    def main_model(self, rank: int, plan: RankPlan) -> None:
+    def main_model(self, rank: int, shards: RankShards) -> None:
         cfg = self.cfg
         head_tensor = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        if plan.embed is not None:
-            self.add(rank, [self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", plan.embed)])
-        for layer in range(*plan.layers):
-            self.add(rank, self.layer(layer, f"model.layers.{layer}.", plan))
-        if plan.final_norm:
+        if shards.embed is not None:
+            self.add(rank, [self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", shards.embed)])
+        for layer in range(*shards.layers):
+            self.add(rank, self.layer(layer, f"model.layers.{layer}.", shards))
+        if shards.final_norm:
             self.add(rank, [self.whole("model.norm.weight", "model.norm.weight")])
-        if plan.head is not None:
-            self.add(rank, [self.vocab("lm_head.weight", head_tensor, plan.head)])
+        if shards.head is not None:
+            self.add(rank, [self.vocab("lm_head.weight", head_tensor, shards.head)])
 
 
 def pp_partition(num_layers: int, pp: int, partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
@@ -442,30 +442,30 @@ def vllm_layout(config: ModelConfig, tp: int, dp: int = 1, enable_expert_paralle
                 else:
                     experts, moe_tp = tuple(range(E)), (dp * tp, flat)
                 first, last = s == 0, s == pp - 1
-                plan = RankPlan(
+                shards = RankShards(
                     attn=(tp, t), dense=(tp, t), shared=(1, 0) if sp_moe else (tp, t),
                     embed=(tp, t) if first or (last and cfg.tie_word_embeddings) else None,
                     head=(tp, t) if last and not cfg.tie_word_embeddings else None,
                     final_norm=last, moe_tp=moe_tp, experts=experts, fuse_shared=False, layers=stages[s])
-                b.main_model(rank, plan)
+                b.main_model(rank, shards)
                 if mtp:
-                    _vllm_mtp(b, rank, plan, mtp_prefix)
+                    _vllm_mtp(b, rank, shards, mtp_prefix)
     return b.finish()
 
 
-def _vllm_mtp(b: LayoutBuilder, rank: int, plan: RankPlan, prefix: str) -> None:
+def _vllm_mtp(b: LayoutBuilder, rank: int, shards: RankShards, prefix: str) -> None:
     cfg = b.cfg
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    bufs = [b.vocab(prefix + "model.embed_tokens.weight", "model.embed_tokens.weight", plan.attn)]
+    bufs = [b.vocab(prefix + "model.embed_tokens.weight", "model.embed_tokens.weight", shards.attn)]
     for layer in cfg.mtp_layers:
         p, c = f"{prefix}model.layers.{layer}.", f"model.layers.{layer}."
         for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
             bufs.append(b.whole(p + s, c + s))
-        bufs.append(b.vocab(p + "shared_head.head.weight", head, plan.attn))
-        bufs += b.layer(layer, p + "mtp_block.", plan)
+        bufs.append(b.vocab(p + "shared_head.head.weight", head, shards.attn))
+        bufs += b.layer(layer, p + "mtp_block.", shards)
     b.add(rank, bufs)
 
 
-__all__ = ["DEFAULT_ALL2ALL_BACKEND", "EngineNames", "effective_expert_placement", "sequence_parallel_moe", "LayoutBuilder", "RankPlan", "experts_w13", "experts_w2", "linear_expert_map",
+__all__ = ["DEFAULT_ALL2ALL_BACKEND", "EngineNames", "effective_expert_placement", "sequence_parallel_moe", "LayoutBuilder", "RankShards", "experts_w13", "experts_w2", "linear_expert_map",
            "merged_column", "pad_vocab", "pp_partition", "qkv_parallel", "replicated", "sharded", "vllm_layout",
            "vocab_parallel"]

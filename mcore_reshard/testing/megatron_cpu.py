@@ -364,7 +364,7 @@ def _spawn_worker(rank: int, fn: Callable, world_size: int, init_file: str, resu
     dist.destroy_process_group()
 
 
-_FORKSERVER_PRELOAD = [
+FORKSERVER_PRELOAD = [
     __name__,  # this module, which imports torch
     "torch.distributed",
     "megatron.core.parallel_state",
@@ -423,7 +423,7 @@ def spawn(fn: Callable, world_size: int, *args, timeout: float = 300.0,
     import torch.multiprocessing as mp
 
     if start_method == "forkserver":  # no effect once this process's forkserver is running
-        mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+        mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     tmp = tempfile.mkdtemp(prefix="mcore_cpu_spawn_")
     init_file = os.path.join(tmp, "rendezvous")
     # CPU-only children: GPUs hidden (also from a forkserver started now), gloo on loopback

@@ -102,8 +102,10 @@ VOCAB = 128
 MAX_SEQ = 64
 
 
-def _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
+def base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
                         pipeline_layout) -> dict:
+    """TransformerConfig arguments every tiny model shares: the parallel sizes of the initialised
+    Megatron state, CPU initialisation, no fusions (the live benchmark scales the same spec)."""
     import torch.nn.functional as F
 
     s = _ps_sizes()
@@ -130,12 +132,13 @@ def _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_
     return kw
 
 
-def _moe_kwargs(dispatcher: str, load_balancing: str) -> dict:
+def moe_kwargs(dispatcher: str, load_balancing: str) -> dict:
+    """TransformerConfig arguments of the tiny MoE models' router and token dispatcher."""
     return dict(moe_router_dtype="fp32", moe_grouped_gemm=False, moe_token_dispatcher_type=dispatcher,
                 moe_aux_loss_coeff=0.0, moe_router_load_balancing_type=load_balancing)
 
 
-def _build_chunks(config, vocab_size: int, share_embeddings: bool, mtp: bool) -> list:
+def build_chunks(config, vocab_size: int, share_embeddings: bool, mtp: bool) -> list:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
@@ -201,7 +204,7 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
     vocab = sizes.pop("vocab")
     sizes.update(kv_channels=sizes["v_head_dim"], moe_shared_expert_intermediate_size=sizes["moe_ffn_hidden_size"])
 
-    kw = _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
+    kw = base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
                              pipeline_layout)
     config = MLATransformerConfig(
         num_layers=num_layers, **sizes, rope_type=rope_type, qk_layernorm=True, layernorm_epsilon=1e-6,
@@ -209,8 +212,8 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
         moe_router_pre_softmax=True, mtp_num_layers=1 if mtp else None,
-        **_moe_kwargs(dispatcher, "seq_aux_loss"), **kw, **_yarn_kwargs(rope_type, yarn))
-    return _build_chunks(config, vocab, share_embeddings=False, mtp=mtp)
+        **moe_kwargs(dispatcher, "seq_aux_loss"), **kw, **_yarn_kwargs(rope_type, yarn))
+    return build_chunks(config, vocab, share_embeddings=False, mtp=mtp)
 
 
 def _yarn_kwargs(rope_type: str, yarn: Optional[dict]) -> dict:
@@ -234,12 +237,12 @@ def build_gqa_dense_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
     RMSNorm, rope, optional qkv bias (Qwen2) and tied embeddings, vocab 128."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
+    kw = base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
                              pipeline_layout)
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=64, num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups, kv_channels=kv_channels, ffn_hidden_size=128, add_qkv_bias=qkv_bias, layernorm_epsilon=1e-6, **kw)
-    return _build_chunks(config, VOCAB, share_embeddings=tied_embeddings, mtp=False)
+    return build_chunks(config, VOCAB, share_embeddings=tied_embeddings, mtp=False)
 
 
 def build_qwen3_moe_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4,
@@ -254,15 +257,15 @@ def build_qwen3_moe_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
     untied embeddings, vocab 128."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = _base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
+    kw = base_config_kwargs(dtype, sequence_parallel, vpp, first_stage_layers, last_stage_layers,
                              pipeline_layout)
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=64, num_attention_heads=8, num_query_groups=num_query_groups,
         kv_channels=16, ffn_hidden_size=128, qk_layernorm=True, layernorm_epsilon=1e-6,
         num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=32,
         moe_router_score_function="softmax", moe_router_pre_softmax=False,
-        **_moe_kwargs(dispatcher, "aux_loss"), **kw)
-    return _build_chunks(config, VOCAB, share_embeddings=False, mtp=False)
+        **moe_kwargs(dispatcher, "aux_loss"), **kw)
+    return build_chunks(config, VOCAB, share_embeddings=False, mtp=False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _gather_broadcast_bytes(plan) -> int:
 
 def _plan(args):
     from ..core.planner import make_plan
-    from .progress import Steps
+    from ..util.progress import Steps
     synthetic = args.model == "synthetic" and not args.config
     with Steps(3 if synthetic else 4, args.command) as steps:
         src, dst = _layouts(args, steps)
@@ -113,7 +113,7 @@ def cmd_plan_fp8(args) -> int:
     """``plan --fp8 128``: the destination in block-FP8 (scales included), quantized in transit."""
     from ..fp8.layout import fp8_target
     from ..fp8.plan import make_fp8_plan, quantized_tensors
-    from .progress import Steps
+    from ..util.progress import Steps
     if args.model == "synthetic" and not args.config:
         raise ValueError("--fp8 needs a model preset or --config (which tensors are quantized is family knowledge)")
     block = (args.fp8, args.fp8)
@@ -220,7 +220,7 @@ def cmd_demo(args) -> int:
     from .demo import demo_worker, world_needed
     from .launch import spawn
     world = world_needed(args.src, args.dst, args.colocated)
-    from .progress import Steps
+    from ..util.progress import Steps
     with Steps(2, "demo") as steps:
         steps.step(f"launching {world} gloo processes: {args.src} -> {args.dst} "
                    f"({'colocated' if args.colocated else 'disaggregated'}), {args.reps} refits")
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import add_bench_parser
     add_bench_parser(sub)
     args = parser.parse_args(argv)
-    from . import progress
+    from ..util import progress
     if args.progress:
         progress.set_mode(args.progress)
     from ..core.layout import LayoutError

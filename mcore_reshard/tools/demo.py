@@ -47,7 +47,7 @@ def demo_worker(rank: int, world: int, src_spec: str, dst_spec: str, colocated: 
     ptrs = {n: t.data_ptr() for n, t in D.items()}
     r = Resharder(plan, S, D)
     times, mismatches, stats = [], 0, {}
-    from .progress import bar
+    from ..util.progress import bar
     steps = bar(range(reps), desc=f"rank 0 refits ({plan.stats['messages']} messages each)", unit="refit",
                 leave=False) if rank == 0 else range(reps)
     for step in steps:

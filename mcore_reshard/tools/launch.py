@@ -2,6 +2,14 @@
 
 Rendezvous is a file in a fresh temporary directory, so concurrent launches never collide on a
 port, and gloo is bound to the loopback interface.  Results come back as JSON text.
+
+:func:`spawn` returns every rank's result or raises; :func:`launch` returns every rank's
+:class:`RankOutcome` (also of ranks that raised, died or never reported), for tests of failures::
+
+    rank | fn            | launch(...)[rank]
+    0    | returns 3     | RankOutcome(ok=True, result=3, error=None, exitcode=0)
+    1    | raises        | RankOutcome(ok=False, result=None, error="Traceback ...", exitcode=0)
+    2    | os._exit(1)   | RankOutcome(ok=False, result=None, error=None, exitcode=1)
 """
 from __future__ import annotations
 
@@ -13,24 +21,93 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
 
-def _child(rank: int, world: int, init: str, timeout_s: float, fn: Callable, args: tuple, results) -> None:
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one launched rank reported: ``ok`` and its JSON ``result``, or the ``error`` traceback
+    (``None`` when it never reported: killed, ``os._exit``, past the launch's timeout), and the exit
+    code of its process (``None`` while still running when the launch gave up on it)."""
+    ok: bool
+    result: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+def _child(rank: int, world: int, init: str, timeout_s: float, fn: Callable, args: tuple, results,
+           threads: int | None, leave_at_once: bool) -> None:
+    import torch
     import torch.distributed as dist
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if threads:
+        torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        out = fn(rank, world, *args)
-        results.put((rank, True, json.dumps(out)))
+        out = (rank, True, json.dumps(fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, False, traceback.format_exc()))
+        out = (rank, False, traceback.format_exc())
+    results.put(out)
+    if leave_at_once:
+        results.close()
+        results.join_thread()   # flushed to the parent: now leave without tearing groups down
+        os._exit(0)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0,
+           start_method: str = "spawn", preload: Sequence[str] = (), threads: int | None = None,
+           leave_at_once: bool = False) -> dict[int, RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; every rank's :class:`RankOutcome`.
+
+    ``fn`` must be importable (module level) and return JSON-serialisable data.  Ranks still running
+    after ``timeout`` seconds are killed (``ok=False``, no ``error``).  ``start_method="forkserver"``
+    starts the children from a server that imported ``preload`` once (no effect once this process's
+    forkserver runs); ``threads`` sets each child's torch threads; ``leave_at_once``: each child
+    leaves with ``os._exit`` right after reporting, so a process group broken on purpose never
+    blocks teardown.
+    """
+    tmp = tempfile.mkdtemp(prefix="mcore-reshard-")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver" and preload:
+        ctx.set_forkserver_preload(list(preload))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, world_size, f"file://{tmp}/rendezvous", pg_timeout, fn, args, results,
+                                              threads, leave_at_once), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = results.get(timeout=min(max(deadline - time.monotonic(), 0.01), 0.2))
+                outcomes[rank] = (ok, payload)
+            except queue.Empty:
+                if all(p.exitcode is not None for p in procs):
+                    try:   # whatever was flushed just before the last exit
+                        while True:
+                            rank, ok, payload = results.get(timeout=0.5)
+                            outcomes[rank] = (ok, payload)
+                    except queue.Empty:
+                        break
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = {}
+    for r in range(world_size):
+        ok, payload = outcomes.get(r, (False, None))
+        out[r] = RankOutcome(ok, json.loads(payload) if ok else None, None if ok else payload, procs[r].exitcode)
+    return out
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0) -> list:
@@ -40,41 +117,15 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg_
     exception is re-raised in the parent as RuntimeError carrying every failing rank's traceback;
     a launch slower than ``timeout`` seconds is killed and reported.
     """
-    tmp = tempfile.mkdtemp(prefix="mcore-reshard-")
-    init = f"file://{tmp}/rendezvous"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world_size, init, pg_timeout, fn, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    outcomes: dict[int, tuple[bool, str]] = {}
-    timed_out = False
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outcomes) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            try:
-                rank, ok, payload = results.get(timeout=min(left, 1.0))
-                outcomes[rank] = (ok, payload)
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    break  # everyone exited without reporting the rest
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
-    failed = {r: text for r, (ok, text) in sorted(outcomes.items()) if not ok}
-    missing = sorted(set(range(world_size)) - set(outcomes))
+    t0 = time.monotonic()
+    outcomes = launch(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout)
+    failed = {r: o.error for r, o in outcomes.items() if not o.ok and o.error is not None}
+    missing = [r for r, o in outcomes.items() if not o.ok and o.error is None]
     if failed or missing:
+        timed_out = bool(missing) and time.monotonic() - t0 >= timeout
         detail = "\n".join(f"--- rank {r} ---\n{text}" for r, text in failed.items())
-        codes = {i: procs[i].exitcode for i in missing}
+        codes = {r: outcomes[r].exitcode for r in missing}
         raise RuntimeError((f"launch timed out after {timeout:.0f} s; " if timed_out else "") + f"{len(failed)} rank(s) failed"
                            + (f"; ranks {missing} never reported (exit codes {codes})" if missing else "")
                            + f":\n{detail}")
-    return [json.loads(outcomes[r][1]) for r in range(world_size)]
+    return [outcomes[r].result for r in range(world_size)]

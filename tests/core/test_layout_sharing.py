@@ -114,21 +114,27 @@ def test_a_copy_with_other_tensors_checks_again():
 def test_merged_rank_parts_share_replicas_and_still_name_conflicts():
     # MegatronRefit's layout of every rank's JSON part: replicas on different ranks become one
     # object; parts that disagree on a tensor, or describe one rank twice, are refused as before
-    from mcore_reshard.refit import _merge
+    from mcore_reshard.core.layout import merge_layouts
 
     def part(rank, offset):
         lay = Layout()
         lay.add_tensor("w", (4, 2), "float32")
         lay.add_buffer(rank, Buffer("w", (2, 2), "float32", (Piece("w", Box((offset, 0), (2, 2)), Box((0, 0), (2, 2))),)))
         return json.loads(json.dumps(lay.to_json()))
-    got = _merge([part(0, 0), part(1, 2), part(2, 0)])
+    got = merge_layouts([part(0, 0), part(1, 2), part(2, 0)])
     assert got.buffers[0]["w"] is got.buffers[2]["w"] and got.buffers[1]["w"] != got.buffers[0]["w"]
     other = part(3, 0)
     other["tensors"]["w"] = [[8, 2], "float32"]
     with pytest.raises(LayoutError, match="w"):
-        _merge([part(0, 0), other])
+        merge_layouts([part(0, 0), other])
     with pytest.raises(LayoutError, match="two buffers named"):
-        _merge([part(0, 0), part(0, 2)])
+        merge_layouts([part(0, 0), part(0, 2)])
+    # Layout objects (the engine protocol's built specs) merge with JSON parts, conflicts named the same way
+    mixed = merge_layouts([Layout.from_json(part(0, 0)), part(1, 2)])
+    assert mixed.to_json() == merge_layouts([part(0, 0), part(1, 2)]).to_json()
+    assert mixed.buffers[1]["w"].pieces[0].box.offsets == (2, 0)
+    with pytest.raises(LayoutError, match="rank 0 has two buffers named w"):
+        merge_layouts([Layout.from_json(part(0, 0)), Layout.from_json(part(0, 2))])
 
 
 def test_builders_pause_the_collector_and_restore_it():
@@ -137,7 +143,7 @@ def test_builders_pause_the_collector_and_restore_it():
     import gc
 
     from mcore_reshard.core.gcpause import paused_gc
-    from mcore_reshard.refit import _merge
+    from mcore_reshard.core.layout import merge_layouts
     from mcore_reshard.targets import vllm_layout
 
     seen = []
@@ -162,7 +168,7 @@ def test_builders_pause_the_collector_and_restore_it():
             vllm_layout(tiny(), tp=2)
             assert gc.isenabled() is state
             parts = [json.loads(json.dumps(Layout(lay.tensors, {r: b}).to_json())) for r, b in lay.buffers.items()]
-            assert _merge(parts).to_json() == lay.to_json()
+            assert merge_layouts(parts).to_json() == lay.to_json()
             assert gc.isenabled() is state
             with pytest.raises(LayoutError):     # a builder that raises restores the collector too
                 Layout.from_json({"tensors": {}, "buffers": {"0": [Buffer("b", (2,), "float32", (

@@ -35,7 +35,7 @@ from mcore_reshard.tools.demo import build_layouts
 from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece, shard_box
 from mcore_reshard.core.mesh import Mesh, MeshError, megatron_meshes
 from mcore_reshard.core.planner import Plan, PlanError, make_plan, validate_plan
-from mcore_reshard.refit import ARCH_KEYS, _one_config, config_diff
+from mcore_reshard.refit import ARCH_KEYS, agreed_config, config_diff
 from mcore_reshard.core.executor import ReshardError
 
 import reliability_workers
@@ -193,7 +193,7 @@ def test_config_diff_names_every_disagreement():
     assert config_diff(a, dict(a)) is None
     assert {"hidden_size", "num_attention_heads", "num_moe_experts", "vocab_size"} <= set(ARCH_KEYS)
     with pytest.raises(ReshardError, match=re.escape("source ranks disagree on the model config: {'hidden_size': (64, 128)}")):
-        _one_config([a, {}, dict(a, hidden_size=128)], "source")
+        agreed_config([a, {}, dict(a, hidden_size=128)], "source")
 
 
 def test_plan_json_roundtrip_and_version():
@@ -262,7 +262,7 @@ def test_plan_and_metadata_never_pickled():
 @pytest.mark.multiproc
 def test_megatron_refusals():
     pytest.importorskip("megatron.core")
-    from mcore_cpu import spawn as mspawn
+    from mcore_reshard.testing.megatron_cpu import spawn as mspawn
 
     import reliability_megatron_worker
 

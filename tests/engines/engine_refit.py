@@ -89,7 +89,7 @@ def trainer(rank: int, port: int, out: str, cases: list) -> dict:
     # SGLang's venv ships flash_mla (CUDA-only: dlopen fails with OSError, which Megatron-Core's optional
     # ``from flash_mla import ...`` does not catch): make it a plain missing module for the trainer.
     sys.modules.setdefault("flash_mla", None)
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron_refit_worker import perturb_replicated
     from mcore_reshard.integrations.protocol import join_group, join_refit, megatron_source
     from mcore_reshard.targets import from_hf_config, hf_layout

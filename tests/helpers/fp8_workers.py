@@ -199,7 +199,7 @@ def target_layout(case: dict, quantized_of_family=True):
 
 
 def megatron_worker(rank: int, world: int, cases: list) -> list:
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     import torch.distributed as dist
     from megatron_refit_worker import _build, perturb_replicated
     from mcore_reshard.core.executor import all_gather_json

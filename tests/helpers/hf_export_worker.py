@@ -13,7 +13,7 @@ import os
 
 import torch
 
-import mcore_cpu
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from mcore_reshard.testing import tiny_models
 from hf_refit_worker import HAND_MAP as RENAMES, _split_qkv   # Megatron -> HF name pieces, written by hand
 from megatron_refit_worker import _build, _digest, perturb_replicated, reference_full
@@ -200,7 +200,7 @@ def launch_members(fn, n: int, tmp: str, timeout: float = 300.0) -> list:
     """``fn(member, tmp)`` in ``n`` fresh processes that share no process group (each makes its own)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(mcore_cpu._FORKSERVER_PRELOAD)
+    ctx.set_forkserver_preload(mcore_cpu.FORKSERVER_PRELOAD)
     env = {"CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo", "TORCH_GLOO_LAZY_INIT": "1"}
     procs = [ctx.Process(target=_member_main, args=(m, fn, tmp, env)) for m in range(n)]
     for p in procs:

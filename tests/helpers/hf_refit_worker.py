@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from megatron_refit_worker import _build, _digest, perturb_replicated, reference_digests
 
 

@@ -19,7 +19,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from hf_refit_worker import HAND_MAP, _split_qkv, gqa_hf_config, hf_config
 from megatron_refit_worker import _build, perturb_replicated, reference_full
 

@@ -16,7 +16,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 
 BUILDERS = {"dsv3": "build_dsv3_tiny", "gqa": "build_gqa_dense_tiny", "qwen3": "build_qwen3_moe_tiny"}
 

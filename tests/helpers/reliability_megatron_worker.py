@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from mcore_reshard.testing import tiny_models
 from megatron_refit_worker import _build, perturb_replicated, reference_digests
 from reliability_workers import no_pickle

@@ -27,7 +27,7 @@ def megatron_two_level(rank: int, world: int, cases: list) -> list:
     """Each case a ``megatron_refit_worker`` case, refit with ``topology=Topology(domains=DOMAINS)``;
     also reports what the plan gives this rank (messages, staged bytes) and the flat plan's NIC bytes."""
     import megatron_refit_worker as W
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from mcore_reshard.refit import MegatronRefit
     mcore_cpu.install_cpu_shims()
     topo = Topology(domains=DOMAINS)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import hf_export_worker
-from mcore_cpu import spawn
+from mcore_reshard.testing.megatron_cpu import spawn
 
 pytestmark = [pytest.mark.megatron]
 

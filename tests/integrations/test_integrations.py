@@ -355,7 +355,7 @@ def test_sglang_shape_mismatch_refused_everywhere(runs):
 def megatron_part(rank: int, world: int) -> dict:
     """megatron_source on a live tiny Megatron-Core model equals the megatron spec's part."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from mcore_reshard.integrations.protocol import megatron_source
     mcore_cpu.install_cpu_shims()
     mcore_cpu.init_megatron(1, 1)

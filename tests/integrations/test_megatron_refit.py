@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_cpu import spawn
+from mcore_reshard.testing.megatron_cpu import spawn
 
 import megatron_refit_worker
 

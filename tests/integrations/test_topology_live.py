@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from mcore_cpu import spawn
+from mcore_reshard.testing.megatron_cpu import spawn
 from partial_launch import spawn_partial
 
 import topology_workers

@@ -1,4 +1,4 @@
-"""Checks of the CPU Megatron-Core harness (tests/mcore_cpu.py) and of mcore_reshard.core.mesh against
+"""Checks of the CPU Megatron-Core harness (mcore_reshard.testing.megatron_cpu) and of mcore_reshard.core.mesh against
 Megatron-Core's own parallel_state on real gloo process groups.
 
 Each test is one multi-process launch that runs many layouts in turn (init -> build -> forward ->
@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-import mcore_cpu as mc
+from mcore_reshard.testing import megatron_cpu as mc
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_cpu import spawn
+from mcore_reshard.testing.megatron_cpu import spawn
 from mcore_reshard.sources.megatron_spec import ParallelSizes, stage_layers
 
 import megatron_refit_worker

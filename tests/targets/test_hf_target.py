@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_cpu import spawn
+from mcore_reshard.testing.megatron_cpu import spawn
 
 import hf_refit_worker
 

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from mcore_cpu import spawn
+from mcore_reshard.testing.megatron_cpu import spawn
 
 import hf_tp_refit_worker
 

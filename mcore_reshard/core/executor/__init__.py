@@ -1,4 +1,4 @@
-"""Executor: the only package that moves bytes over ``torch.distributed``.
+"""Executor (layer 4): the only package that moves bytes over ``torch.distributed``.
 
 ``Resharder(plan, src, dst, group)`` binds a plan to this rank's real tensors once; each
 ``refit()`` then moves the bytes: remote ones packed into one flat staging buffer per message

@@ -1,4 +1,4 @@
-"""Transfer planner: pure computation on layouts (no torch, no torch.distributed).
+"""Transfer planner (layer 3): pure computation on layouts (no torch, no torch.distributed).
 
 ``make_plan(src, dst)`` answers, for every destination piece, which source rank sends which box,
 and packs those boxes into messages (one per ordered rank pair per staging round) under a hard

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 from .configs import CONFIGS, DEFAULT_OUT, FULL_SIZE_DEFAULT
-from .fullsize import _save, run_full_size, run_full_size_config
+from .fullsize import save_json, run_full_size, run_full_size_config
 from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
 
 
@@ -94,7 +94,7 @@ def cmd_bench(args) -> int:
         results = run_full_size(names, budget, "tracemalloc" if args.smoke and not args.full_size else args.memory,
                                 args.timeout, log=_log, max_mem_gib=args.max_mem_gib,
                                 progress=out_dir / "results" / f"{tag}.json")
-        _save(out_dir / "results" / f"{tag}.json", results)
+        save_json(out_dir / "results" / f"{tag}.json", results)
         if not args.no_plots:
             for r in results:
                 if "error" not in r:
@@ -112,7 +112,7 @@ def cmd_bench(args) -> int:
         cases = [c for c in args.cases.split(";") if c] if args.cases else list(CASES)
         tag = "live_smoke" if args.smoke and not args.live else "live"
         rows = []
-        from ..progress import bar
+        from ...util.progress import bar
         for size in bar(sizes, desc="live sizes", unit="size"):   # one launch per size: a size that does not fit leaves the others' results
             _log(f"[bench] live {size}: cases {cases}, {reps} rep(s) after one warm-up, 4 processes")
             t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def cmd_bench(args) -> int:
                 row.update(loadavg_before=load, cpus=os.cpu_count(), dtype=args.dtype, budget_bytes=budget)
             rows += got
             _log(f"[bench] live {size} done in {time.perf_counter() - t0:.0f} s")
-            _save(out_dir / "results" / f"{tag}.json", rows)
+            save_json(out_dir / "results" / f"{tag}.json", rows)
         if not args.no_plots and not (args.smoke and not args.live):
             plot_live(rows, out_dir / "img")
         report.append(markdown_live(rows))

@@ -13,7 +13,7 @@ import tracemalloc
 from pathlib import Path
 
 from .. import costmodel
-from ..memstat import peak_bytes, reset_peak, rss_bytes
+from ...util.memstat import peak_bytes, reset_peak, rss_bytes
 from .baselines import gather_broadcast, lower_bound
 from .configs import CONFIGS, NODE, PUBLISHED, small_config
 
@@ -136,7 +136,7 @@ def run_full_size(names: list[str], budget: int, memory: str, timeout: float, lo
     that its memory is measured alone, a slow one is given up after ``timeout`` seconds and one
     that needs more than ``max_mem_gib`` of address space fails (MemoryError) instead of pushing the
     machine into swap (0: no cap).  ``progress``: a JSON file rewritten after every configuration."""
-    from ..progress import bar
+    from ...util.progress import bar
     results = []
     for name in bar(names, desc="full-size plans", unit="config"):
         with tempfile.TemporaryDirectory(prefix="mcore-bench-") as tmp:
@@ -180,9 +180,10 @@ def _partial(path: str, name: str, error: str) -> dict:
 
 def _progress(results: list, path) -> None:
     if path:
-        _save(Path(path), results)
+        save_json(Path(path), results)
 
-def _save(path: Path, obj) -> None:
+def save_json(path: Path, obj) -> None:
+    """``obj`` as indented JSON at ``path`` (parent folders created)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)

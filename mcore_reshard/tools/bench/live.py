@@ -1,6 +1,6 @@
 """Live refit benchmark, CPU + gloo: this project vs ``megatron.core.resharding`` vs gather+broadcast.
 
-Runs inside 4 local gloo processes (``tests/mcore_cpu.spawn``; needs megatron-core and a repository
+Runs inside 4 local gloo processes (``mcore_reshard.testing.megatron_cpu.spawn``; needs megatron-core and a repository
 checkout, because the CPU patches and the independent reference live in ``tests/``).  For every
 model size and every layout pair, every rank builds both Megatron-Core models (colocated: each rank
 holds a shard of the source *and* of the destination), then each method in turn:
@@ -24,7 +24,7 @@ Methods:
     :class:`mcore_reshard.refit.MegatronRefit` (plan once, ``refit()`` per call).
 ``megatron_resharding``
     ``megatron.core.resharding.refit.swap_model_weights(src, dst, service)`` with its gloo copy
-    service (CPU patches from ``tests/mcore_cpu.install_cpu_shims``).  Megatron-Core 0.19.2 remaps
+    service (CPU patches from ``mcore_reshard.testing.megatron_cpu.install_cpu_shims``).  Megatron-Core 0.19.2 remaps
     local expert indices only for TE grouped-expert names (``weightK``); with SequentialMLP experts
     (``local_experts.<i>``, the only expert module without Transformer-Engine) an EP change copies
     the wrong experts.  It is run once as shipped (``megatron_resharding_unpatched``: bit-exactness
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..memstat import peak_bytes, reset_peak, rss_bytes
+from ...util.memstat import peak_bytes, reset_peak, rss_bytes
 
 # Model sizes: DeepSeek-V3 shapes scaled down (MLA, first layer dense, routed + one shared expert,
 # expert bias), experts dominate the parameter count as in the real model.  Parameters counted on
@@ -112,14 +112,14 @@ def tests_dir() -> Path:
 
 
 def import_test_helpers():
-    """``mcore_cpu`` and ``megatron_refit_worker`` from the repository's tests/ (CPU patches and the
-    independent reference); a clear error outside a checkout."""
+    """:mod:`mcore_reshard.testing.megatron_cpu` (CPU patches) and ``megatron_refit_worker`` from the
+    repository's tests/ (the independent reference); a clear error outside a checkout."""
+    from ...testing import megatron_cpu as mcore_cpu
     d = tests_dir()
-    if not (d / "mcore_cpu.py").exists():
-        raise RuntimeError(f"the live benchmark needs a repository checkout: {d / 'mcore_cpu.py'} not found")
+    if not (d / "megatron_refit_worker.py").exists():
+        raise RuntimeError(f"the live benchmark needs a repository checkout: {d / 'megatron_refit_worker.py'} not found")
     if str(d) not in sys.path:
         sys.path.insert(0, str(d))
-    import mcore_cpu
     import megatron_refit_worker
     return mcore_cpu, megatron_refit_worker
 
@@ -129,7 +129,7 @@ def build_dsv3_scaled(mcore_cpu, d: dict, dtype: torch.dtype) -> list:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from ...testing import tiny_models
-    kw = tiny_models._base_config_kwargs(dtype, False, None, None, None, None)
+    kw = tiny_models.base_config_kwargs(dtype, False, None, None, None, None)
     L = d["layers"]
     config = MLATransformerConfig(
         num_layers=L, hidden_size=d["hidden"], num_attention_heads=d["heads"], ffn_hidden_size=d["ffn"],
@@ -139,8 +139,8 @@ def build_dsv3_scaled(mcore_cpu, d: dict, dtype: torch.dtype) -> list:
         moe_shared_expert_intermediate_size=d["moe_ffn"], moe_layer_freq=[0] + [1] * (L - 1),
         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
         moe_router_num_groups=4, moe_router_group_topk=2, moe_router_pre_softmax=True, mtp_num_layers=None,
-        **tiny_models._moe_kwargs("alltoall", "seq_aux_loss"), **kw)
-    return tiny_models._build_chunks(config, d["vocab"], share_embeddings=False, mtp=False)
+        **tiny_models.moe_kwargs("alltoall", "seq_aux_loss"), **kw)
+    return tiny_models.build_chunks(config, d["vocab"], share_embeddings=False, mtp=False)
 
 
 def _build(mcore_cpu, d: dict, sizes: dict, dtype: torch.dtype) -> list:
@@ -427,7 +427,7 @@ def _timed_interleaved(fns: dict, reps: int) -> dict:
 
 def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budget: int, dtype_name: str,
                 methods: list) -> list:
-    """One rank of the live benchmark (run through ``tests/mcore_cpu.spawn``)."""
+    """One rank of the live benchmark (run through ``mcore_reshard.testing.megatron_cpu.spawn``)."""
     mcore_cpu, worker_mod = import_test_helpers()
     mcore_cpu.install_cpu_shims()
     from megatron.core.resharding.refit import clear_all_caches, swap_model_weights
@@ -436,7 +436,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     from ...refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
-    from ..progress import bar
+    from ...util.progress import bar
     work = bar(total=len(sizes) * len(cases), desc="rank 0 cases", unit="case", leave=False) if rank == 0 else None
     for size in sizes:
         d = SIZES[size]

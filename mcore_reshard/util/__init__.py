@@ -1,0 +1,5 @@
+"""Utilities under every layer, with no resharding logic: they import nothing else of the package.
+
+* :mod:`.progress` -- progress bars on stderr (``tqdm``) and the switch that controls them;
+* :mod:`.memstat` -- resident memory and its peak from ``/proc/self/status`` (export and benchmarks).
+"""
