@@ -362,10 +362,10 @@ def _alone(src, dst, plan: Fp8Plan, memory: int):
     from mcore_reshard.fp8.groups import _make_groups
     from mcore_reshard.fp8.layout import scale_name
     from mcore_reshard.fp8.regions import plan_regions, restrict
-    from mcore_reshard.core.planner.forms import _number
+    from mcore_reshard.core.planner.forms import layer_number
     out = []
     for _, _, k in plan.groups.instances:
-        names = sorted(n for n in plan.quantized if _number(n) == k)
+        names = sorted(n for n in plan.quantized if layer_number(n) == k)
         lsrc = restrict(src, set(names))
         ldst = restrict(dst, set(names) | {scale_name(n) for n in names})
         regions = plan_regions(lsrc, names, plan.block, ldst)

@@ -36,7 +36,9 @@ def check_budget(value, what: str = "budget_bytes") -> int:
     return int(value)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` bytes rounded up to the staging alignment :data:`ALIGN` (every staged entry starts
+    aligned): ``align(1) == 16``, ``align(32) == 32``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -63,18 +65,13 @@ class Copy(NamedTuple):
     @staticmethod
     def from_json(o) -> "Copy":
         if len(o) == 10 and all(isinstance(x, int) for x in (o[2], o[5], o[8], o[9])):
-            return _copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
+            return make_copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
         return Copy(o[0], Box.from_json(o[1]), o[2], o[3], Box.from_json(o[4]), o[5], o[6], Box.from_json(o[7]), o[8], o[9])
 
 
-_new = object.__new__
-_setattr = object.__setattr__
-_tuple_new = tuple.__new__
-
-
-def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
-    """``Copy(...)`` without the keyword-argument handling (same object)."""
-    return _tuple_new(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
+def make_copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
+    """``Copy(...)`` without the generated ``__new__``'s keyword handling (the same object, faster)."""
+    return tuple.__new__(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
 
 
 def contiguous(sizes, shape) -> bool:
@@ -95,9 +92,9 @@ def _box_json(o) -> Box:
     return Box(offs, sizes)     # raises the checked constructor's error
 
 
-@dataclass(frozen=True)
-class Message:
-    """The copies ``src`` sends ``dst`` in one round.  ``forward``: a two-level plan's forwarded
+class Message(NamedTuple):
+    """The copies ``src`` sends ``dst`` in one round (a named tuple, as :class:`Copy`: immutable,
+    fields by name, cheap to build by the ~10^5 in a full-size plan).  ``forward``: a two-level plan's forwarded
     message (:mod:`.topology`): its entries' ``src_buffer`` / ``src_local`` name the sender's
     *destination* buffer, written in an earlier round.  ``unstaged`` (two-level plans): every
     entry is contiguous in its buffer on both ends (:func:`contiguous`, the tensor not cast) and
