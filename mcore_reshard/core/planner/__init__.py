@@ -37,7 +37,7 @@ from ..gcpause import paused_gc
 from ..layout import Layout
 from .index import _check_tensors, source_index
 from .matching import local_mapper, match
-from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, check_budget
+from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, CopyPlan, Message, Plan, PlanError, StoredPlan, check_budget
 from .rounds import _pack_rounds
 from .senders import choose_senders
 from .stats import _stats, plan_part, plan_stats
@@ -161,6 +161,6 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "TemplatedPlan", "Topology",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "CopyPlan", "Message", "Plan", "StoredPlan", "PlanError", "TemplatedPlan", "Topology",
            "make_plan",
            "plan_part", "plan_stats", "validate_plan"]

@@ -5,7 +5,7 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Protocol, runtime_checkable
 
 from ..box import Box, unchecked_box
 from ..gcpause import paused_gc
@@ -147,9 +147,49 @@ def malformed(field: str):
         raise PlanError(f"plan field {where[0]} is malformed: {what} ({type(e).__name__}: {str(e)[:200]})") from e
 
 
+@runtime_checkable
+class StoredPlan(Protocol):
+    """What every kind of plan offers (:class:`Plan`, :class:`~.templates.TemplatedPlan`,
+    :class:`mcore_reshard.fp8.plan.Fp8Plan`): its JSON (``to_json``, ``dumps``; read back by the
+    kind's ``from_json``), the sha256 ``hash`` every rank compares before anything moves, a
+    ``summary`` for people and its ``stats``."""
+    stats: dict
+
+    def to_json(self) -> dict: ...
+
+    def dumps(self) -> str: ...
+
+    @property
+    def hash(self) -> str: ...
+
+    def summary(self) -> str: ...
+
+
+@runtime_checkable
+class CopyPlan(StoredPlan, Protocol):
+    """A plan of copies: what :func:`~.validate.validate_plan` and the executor read
+    (:class:`Plan`, a part of one, :class:`~.templates.TemplatedPlan`; an FP8 plan holds one as
+    ``rest``).  Example, rank 0 sending ``w`` [4, 8] bf16 to rank 1 in one round::
+
+        plan.rounds == 1; plan.ranks == [0, 1]
+        plan.messages == [Message(round=0, src=0, dst=1, nbytes=64, entries=(Copy("w", ...),))]
+        plan.buffers["dst"][1]["w"] == [[4, 8], "bfloat16"]"""
+    tensors: dict
+    buffers: dict
+    messages: list
+    local_copies: list
+    padding: list
+    budget_bytes: int
+    rounds: int
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+
 @dataclass
 class Plan:
-    """Plain-data plan.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
+    """Plain-data plan (a :class:`CopyPlan`); ``whole``: for one rank's part of a templated plan
+    (:func:`~.templates.part_of`), the whole plan, whose hash the part carries.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
     real tensors against the plan before anything moves."""
     tensors: dict[str, dict]                         # name -> {"shape", "src_dtype", "dst_dtype"}
     buffers: dict[str, dict[int, dict[str, list]]]   # "src"/"dst" -> rank -> name -> [shape, dtype]
@@ -159,6 +199,7 @@ class Plan:
     budget_bytes: int
     rounds: int
     stats: dict = field(default_factory=dict)
+    whole: "CopyPlan | None" = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -219,7 +260,7 @@ class Plan:
     def hash(self) -> str:
         """sha256 of the canonical JSON, stats excluded (they hold timings); a part of a templated plan
         (:func:`plan_part`) has the whole plan's hash, a templated plan that of its compact form."""
-        whole = self.__dict__.get("_whole")
+        whole = self.whole
         if whole is not None:
             return whole.hash
         obj = self.to_json()

@@ -461,10 +461,8 @@ def part_of(plan: TemplatedPlan, rank: int) -> Plan:
         buffers[side].setdefault(r, {})[name] = meta
     for side in buffers:
         buffers[side] = {r: dict(sorted(b.items())) for r, b in sorted(buffers[side].items())}
-    part = Plan(plan.tensors, buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
-    part.stats = {"rank": rank}
-    part.__dict__["_whole"] = plan
-    return part
+    return Plan(plan.tensors, buffers, messages, local, padding, plan.budget_bytes, plan.rounds, {"rank": rank},
+                whole=plan)
 
 
 def _peer_buffers(plan: TemplatedPlan, rank: int):
