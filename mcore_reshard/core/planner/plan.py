@@ -186,8 +186,37 @@ class CopyPlan(StoredPlan, Protocol):
     def ranks(self) -> list[int]: ...
 
 
+class PlanBase:
+    """What :class:`Plan` and :class:`~.templates.TemplatedPlan` (each a :class:`CopyPlan`) share,
+    made from their JSON and fields: ``dumps`` and ``summary``."""
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    def summary(self) -> str:
+        s = self.stats
+        lines = [
+            f"tensors            {len(self.tensors)}",
+            f"bytes over network {s['network_bytes']:,} (lower bound {s['lower_bound_bytes']:,})",
+            f"bytes copied local {s['local_bytes']:,}",
+            f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
+            f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
+            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
+            f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
+        ]
+        return "\n".join(lines)
+
+
+@paused_gc()
+def canonical_hash(plan: StoredPlan) -> str:
+    """sha256 of ``plan``'s canonical JSON (sorted keys, no spaces), its stats excluded (they hold timings)."""
+    obj = plan.to_json()
+    obj.pop("stats")
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 @dataclass
-class Plan:
+class Plan(PlanBase):
     """Plain-data plan (a :class:`CopyPlan`); ``whole``: for one rank's part of a templated plan
     (:func:`~.templates.part_of`), the whole plan, whose hash the part carries.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
     real tensors against the plan before anything moves."""
@@ -252,35 +281,12 @@ class Plan:
         return Plan(tensors=tensors, buffers=buffers, messages=messages, local_copies=local, padding=padding,
                     budget_bytes=budget, rounds=rounds, stats=stats)
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-
     @property
-    @paused_gc()
     def hash(self) -> str:
         """sha256 of the canonical JSON, stats excluded (they hold timings); a part of a templated plan
         (:func:`plan_part`) has the whole plan's hash, a templated plan that of its compact form."""
-        whole = self.whole
-        if whole is not None:
-            return whole.hash
-        obj = self.to_json()
-        obj.pop("stats")
-        return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return canonical_hash(self) if self.whole is None else self.whole.hash
 
     @property
     def ranks(self) -> list[int]:
         return sorted(set(self.buffers["src"]) | set(self.buffers["dst"]))
-
-    def summary(self) -> str:
-        s = self.stats
-        lines = [
-            f"tensors            {len(self.tensors)}",
-            f"bytes over network {s['network_bytes']:,} (lower bound {s['lower_bound_bytes']:,})",
-            f"bytes copied local {s['local_bytes']:,}",
-            f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
-            f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
-            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
-            f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
-        ]
-        return "\n".join(lines)
-
