@@ -228,8 +228,9 @@ def _plan_layers(layers: dict, b: tuple[int, int], memory: int, budget_bytes: in
             hit = (len(templates) - 1, k, counts)
             if form is not None:
                 seen[form] = hit
-        instances.append((hit[0], hit[1], k))
-        net, loc = net + hit[2][0], loc + hit[2][1]
+        tid, first, (hnet, hloc) = hit
+        instances.append((tid, first, k))
+        net, loc = net + hnet, loc + hloc
     return LayerGroups(templates, instances), (net, loc)
 
 

@@ -4,10 +4,21 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 from operator import attrgetter
+from typing import NamedTuple
 
 from . import fastfit
 from .plan import ALIGN, Copy, Message
 from .records import ForwardCopy, PendingCopy, new
+
+class RankFill(NamedTuple):
+    """One rank's state in a :class:`RoundFill`: its staged bytes per round (``used``), level ->
+    index in ``lims`` (None: not registered on the rank), the lims registered on it sorted, and
+    their masks (bit k set: round k has more staged than the lim)."""
+    used: list[int]
+    index: list
+    lims: list[int]
+    masks: list[int]
+
 
 class RoundFill:
     """First fit under a per-rank budget: each rank's staged bytes per round, and items placed in the
@@ -31,9 +42,7 @@ class RoundFill:
         self.used: dict[int, list[int]] = {}     # rank -> staged bytes per round
         self.lims: list[int] = []                # level -> lim
         self.levels: dict[int, int] = {}         # lim -> level
-        # rank -> (its used list, level -> index in its lims (None: not registered on the rank),
-        # its lims sorted, their masks): one lookup per rank
-        self.state: dict[int, tuple[list[int], list, list[int], list[int]]] = {}
+        self.state: dict[int, RankFill] = {}     # rank -> its state: one lookup per rank
 
     @property
     def rounds(self) -> int:
@@ -49,12 +58,12 @@ class RoundFill:
             self.lims.append(lim)
         return lv
 
-    def register(self, r: int, levels) -> tuple[list[int], list, list[int], list[int]]:
+    def register(self, r: int, levels) -> RankFill:
         """Rank ``r``'s state, each of ``levels`` registered on it (its mask computed from what
         the rank staged so far, kept up to date from then on)."""
         st = self.state.get(r)
         if st is None:
-            st = self.state[r] = (self.used.setdefault(r, []), [], [], [])
+            st = self.state[r] = RankFill(self.used.setdefault(r, []), [], [], [])
         u, index, keys, masks = st
         for lv in levels:
             if lv >= len(index):
@@ -84,13 +93,13 @@ class RoundFill:
         budget = self.budget
         lv = self.level(budget - n)
         ss, sd = self.register(s, (lv,)), self.register(d, (lv,))
-        full = ss[3][ss[1][lv]] | sd[3][sd[1][lv]]
+        full = ss.masks[ss.index[lv]] | sd.masks[sd.index[lv]]
         bit = ~full & (full + 1)
         k = bit.bit_length() - 1
-        for u in (ss[0], sd[0]):
+        for u in (ss.used, sd.used):
             if len(u) <= k:             # new rounds start empty
                 u.extend([0] * (k + 1 - len(u)))
-        a, b = ss[0][k], sd[0][k]
+        a, b = ss.used[k], sd.used[k]
         cnt = min(count, (budget - max(a, b)) // n)
         for (u, _, keys, masks), a in ((ss, a), (sd, b)):
             y = u[k] = a + cnt * n
@@ -152,7 +161,7 @@ def _pack_rounds(copies: list[PendingCopy], budget: int, forwards: list[ForwardC
                 off += (nb + ALIGN - 1) // ALIGN * ALIGN
                 payload += nb
             entries = tuple(entries)
-        forward, unstaged = _FLAGS[flag[0]] if flag else _NO_FLAGS
+        forward, unstaged = _FLAGS[tuple(flag)]
         messages.append(new(Message, (k, s, d, off, entries, forward, unstaged)))
         sent[s] += payload
         recv[d] += payload
@@ -207,10 +216,9 @@ def _first_fit_runs(copies: list[PendingCopy], budget: int) -> tuple[dict, dict[
     return placed, fill.used, fill.rounds
 
 
-#: (forward, unstaged) of a message by its ``placed`` key's 4th item: forwarded, forwarded and
-#: unstaged, unstaged (keys of 3 items: neither)
-_FLAGS = {1: (True, False), 2: (True, True), 3: (False, True)}
-_NO_FLAGS = (False, False)
+#: (forward, unstaged) of a message by its ``placed`` key's items after (round, src, dst): none,
+#: 1 forwarded, 2 forwarded and unstaged, 3 unstaged
+_FLAGS = {(): (False, False), (1,): (True, False), (2,): (True, True), (3,): (False, True)}
 
 
 def _runs(srt: list[PendingCopy]) -> list[list[PendingCopy]]:
