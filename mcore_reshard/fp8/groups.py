@@ -10,8 +10,9 @@ from typing import Sequence
 from ..core.box import Box
 from ..core.layout import Buffer, Layout, Piece, itemsize
 from ..core.planner import Plan, PlanError, make_plan
+from ..core.planner.plan import align
 from .layout import FP8, SCALE_DTYPE, scale_name, scale_shape
-from .regions import Region, _align, _nbytes, _share_temps, _temp_buffers
+from .regions import Region, _nbytes, _share_temps, _temp_buffers
 
 
 @dataclass
@@ -91,7 +92,7 @@ def _granule(shape: Sequence[int], block: tuple[int, int]) -> int:
 
 
 def _region_bytes(reg: Region, numel: int, grid_numel: int, asm_isz: int) -> int:
-    return (_align(numel * asm_isz) if reg.kind == "assembled" else 0) + _align(numel) + _align(grid_numel * 4)
+    return (align(numel * asm_isz) if reg.kind == "assembled" else 0) + align(numel) + align(grid_numel * 4)
 
 
 def _chunk_rows(reg: Region, g: int) -> list[tuple[int, int, int, int]]:

@@ -57,7 +57,7 @@ from typing import Mapping, Sequence
 from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout, itemsize
 from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, check_budget, make_plan
-from ..core.planner.index import _source_index
+from ..core.planner.index import source_index
 from .groups import Fp8Group, _make_groups, _split_names
 from .layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
 from .regions import Region, _nbytes, plan_regions, restrict
@@ -221,15 +221,16 @@ def _plan_layers(layers: dict, b: tuple[int, int], memory: int, budget_bytes: in
         names, lsrc, ldst, form = layers[k]
         hit = seen.get(form) if form is not None else None
         if hit is None:
-            index = _source_index(lsrc)
+            index = source_index(lsrc)
             regions = plan_regions(lsrc, names, b, ldst, index)
             templates.append(_make_groups(lsrc, ldst, b, set(names), regions, memory, budget_bytes))
             counts = bf16_bytes(lsrc, bf16_target(ldst, dtypes), index) if dtypes is not None else (0, 0)
             hit = (len(templates) - 1, k, counts)
             if form is not None:
                 seen[form] = hit
-        instances.append((hit[0], hit[1], k))
-        net, loc = net + hit[2][0], loc + hit[2][1]
+        tid, first, (hnet, hloc) = hit
+        instances.append((tid, first, k))
+        net, loc = net + hnet, loc + hloc
     return LayerGroups(templates, instances), (net, loc)
 
 
@@ -237,12 +238,12 @@ def bf16_bytes(src: Layout, dst: Layout, index: Mapping | None = None) -> tuple[
     """(network, local) bytes of ``make_plan(src, dst)`` without planning it: every element a
     destination rank needs travels once, over the network unless that rank holds it (the
     planner's guarantee: its network bytes are this lower bound).  Counted in source bytes."""
-    index = _source_index(src) if index is None else index
+    index = source_index(src) if index is None else index
     windows = {}
     shapes: dict[tuple, int] = {}          # tensors with the same source boxes (one per layer) share one id
     for name, items in index.items():
         items = sorted(items, key=lambda it: it[0].offsets[0] if it[0].ndim else 0)
-        ranks = [frozenset(h[0] for h in hs) for _, hs in items]
+        ranks = [frozenset(h.rank for h in hs) for _, hs in items]
         sid = shapes.setdefault(tuple((b.offsets, b.sizes, rs) for (b, _), rs in zip(items, ranks)), len(shapes))
         first = [b.offsets[0] if b.ndim else 0 for b, _ in items]
         longest = max((b.sizes[0] if b.ndim else 1) for b, _ in items)

@@ -7,13 +7,10 @@ from typing import Mapping, Sequence
 
 from ..core.box import Box, split_sizes, subtract
 from ..core.layout import Buffer, Layout, Piece, itemsize
-from ..core.planner import ALIGN, PlanError
-from ..core.planner.index import _atoms, _source_index
+from ..core.planner import PlanError
+from ..core.planner.plan import align
+from ..core.planner.index import atoms, source_index
 from .layout import FP8, SCALE_DTYPE, scale_name
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,7 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
     its largest part, preferring one that needs it.  Remaining ties: least-loaded, then lowest rank.
     """
     if index is None:
-        index = _source_index(restrict(src, set(tensors)))
+        index = source_index(restrict(src, set(tensors)))
     index = {n: index[n] for n in tensors if n in index}
     wants: dict[tuple[str, int], list[Box]] = defaultdict(list)       # (tensor, rank) -> boxes it needs
     if dst is not None:
@@ -157,7 +154,7 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
         for i, (sbox, holders) in enumerate(items):
             first: dict[int, tuple] = {}
             for h in holders:
-                first.setdefault(h[0], h)
+                first.setdefault(h.rank, h)
             gkey = (shape, sbox.offsets, sbox.sizes)    # the same for every layer: computed once
             geo = geometry.get(gkey)
             if geo is None:
@@ -180,14 +177,14 @@ def plan_regions(src: Layout, tensors: Sequence[str], block: tuple[int, int], ds
             for b in rest:
                 boundary.append(b)
                 owners_of.append(i)
-        for atom, idx in _atoms(boundary) if boundary else ():
+        for atom, idx in atoms(boundary) if boundary else ():
             ebox = _elements(atom, shape, block)
             parts = {}
             for j in idx:
                 inter = items[owners_of[j]][0].intersect(ebox)
                 parts[owners_of[j]] = inter.numel if inter is not None else 0
             top = max(parts.values())
-            holders = sorted({h[0] for i, n in parts.items() if n == top for h in items[i][1]})
+            holders = sorted({h.rank for i, n in parts.items() if n == top for h in items[i].holders})
             r = pick(name, holders, ebox) if len(holders) > 1 else holders[0]
             load[r] += ebox.numel
             regions.append(Region(name, ebox, atom, r, "assembled", f"fp8/asm/{name}/{k}", Box.full(ebox.sizes),
@@ -267,5 +264,5 @@ def _nbytes(buf: Buffer) -> int:
     n = itemsize(buf.dtype)
     for s in buf.shape:
         n *= s
-    return _align(n)
+    return align(n)
 

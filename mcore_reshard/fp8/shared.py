@@ -28,8 +28,8 @@ from typing import Iterator, Sequence
 from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout
 from ..core.planner import Message, Plan, PlanError
-from ..core.planner.plan import _copy
-from ..core.planner.forms import MARK, _number
+from ..core.planner.plan import make_copy
+from ..core.planner.forms import MARK, layer_number
 from .groups import Fp8Group
 from .layout import scale_name
 from .regions import Region
@@ -47,7 +47,7 @@ def split_layers(src: Layout, dst: Layout, quantized: set[str], rest_names: set[
     their pieces; shared, not copied, where it holds nothing else), and the form every name with
     ``layers.<n>.`` replaced by a mark, ranks as they are.  ``rest_*``: :func:`~.regions.restrict`
     to ``rest_names`` (the destination ``whole``, with its empty buffers), made in the same pass."""
-    layer_of: dict[str, object] = {n: _number(n) for n in quantized}
+    layer_of: dict[str, object] = {n: layer_number(n) for n in quantized}
     layer_of.update({scale_name(n): layer_of[n] for n in quantized})
     layer_of.update({n: _REST for n in rest_names})
     layers: dict = {}
@@ -157,7 +157,7 @@ class _Rename:
 def rename_plan(p: Plan, f) -> Plan:
     """An ordinary plan with every tensor and buffer name renamed by ``f``."""
     def cp(c):
-        return _copy(f(c.tensor), c.box, c.src, f(c.src_buffer), c.src_local, c.dst, f(c.dst_buffer), c.dst_local,
+        return make_copy(f(c.tensor), c.box, c.src, f(c.src_buffer), c.src_local, c.dst, f(c.dst_buffer), c.dst_local,
                      c.nbytes, c.offset)
     stats = dict(p.stats)
     if "unused_tensors" in stats:

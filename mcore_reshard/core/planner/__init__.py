@@ -35,9 +35,9 @@ from math import prod
 from ..box import Box
 from ..gcpause import paused_gc
 from ..layout import Layout
-from .index import _check_tensors, _source_index
+from .index import _check_tensors, source_index
 from .matching import local_mapper, match
-from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, Message, Plan, PlanError, check_budget
+from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, CopyPlan, Message, Plan, PlanError, StoredPlan, check_budget
 from .rounds import _pack_rounds
 from .senders import choose_senders
 from .stats import _stats, plan_part, plan_stats
@@ -101,7 +101,7 @@ def _make_plan(src: Layout, dst: Layout, budget_bytes: int, allow_cast: bool, ig
     """The plan: matching, (two-level: forwarding,) sender choice, round packing, buffer metadata
     and padding, stats."""
     tensors = _check_tensors(src, dst, allow_cast, ignore_unused)
-    index = _source_index(src)
+    index = source_index(src)
     to_local = local_mapper()
     local, remote, lower_bound = match(src, dst, tensors, index, to_local)
     forwards = nic_bound = None
@@ -161,6 +161,6 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "Message", "Plan", "PlanError", "TemplatedPlan", "Topology",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "CopyPlan", "Message", "Plan", "StoredPlan", "PlanError", "TemplatedPlan", "Topology",
            "make_plan",
            "plan_part", "plan_stats", "validate_plan"]

@@ -10,12 +10,14 @@ from operator import attrgetter, itemgetter
 
 from ..box import Box, unchecked_box
 from ..layout import Buffer, Layout, Piece, TensorMeta
+from .records import Instance, LayerNumbers
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 MARK = "\x00"               # stands for the layer number in a canonical name
 
 
-def _number(name: str) -> int | None:
+def layer_number(name: str) -> int | None:
+    """The layer number in a tensor or buffer name (``decoder.layers.3.mlp.w`` -> 3), or None."""
     m = LAYER.search(name)
     return int(m.group(1)) if m else None
 
@@ -27,7 +29,7 @@ def _canon(name: str, n: int | None) -> str:
 
 def _layer_of(src: Layout, dst: Layout) -> dict[str, int | None]:
     """Every tensor name of either side -> its layer number (None: no ``layers.<n>.``)."""
-    return {name: _number(name) for name in set(src.tensors) | set(dst.tensors)}
+    return {name: layer_number(name) for name in set(src.tensors) | set(dst.tensors)}
 
 
 def _groups(src: Layout, dst: Layout, layer_of: dict[str, int | None]) -> dict | None:
@@ -186,7 +188,7 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
         if g is not None:
             for _, items in members[side]:
                 for bname in items[0]:
-                    n = _number(bname)
+                    n = layer_number(bname)
                     if n is not None:
                         break
                 if n is not None:
@@ -195,7 +197,8 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
     ranks = _rank_order(members, span)
     idx = {r: i for i, r in enumerate(ranks)}
     form = []
-    for side, lay, n in (("src", src, nums[1]), ("dst", dst, nums[2])):
+    nums = LayerNumbers(*nums)
+    for side, lay, n in (("src", src, nums.src), ("dst", dst, nums.dst)):
         rows = []
         names: set[str] = set()
         seen: set[int] = set()
@@ -211,7 +214,7 @@ def _signature(g, members: dict, src: Layout, dst: Layout, forms: _Forms, span: 
                              ((t, tm[t if g is None else t.replace(MARK, str(g))]) for t in names)))
         rows.sort()                 # index order (rank order unless rotated)
         form.append((tuple(rows), metas))
-    return tuple(form), tuple(nums), tuple(ranks)
+    return tuple(form), nums, tuple(ranks)
 
 
 def _rank_order(members: dict, span: int | None) -> list[int]:
@@ -275,5 +278,5 @@ def _instances(groups: dict, src: Layout, dst: Layout, forms: _Forms, span: int 
         if tid is None:
             tid = tids[form] = len(reps)
             reps.append(form)
-        instances.append((tid, nums, ranks))
+        instances.append(Instance(tid, nums, ranks))
     return reps, instances

@@ -8,17 +8,18 @@ from operator import add, sub
 from ..box import Box, subtract
 from ..layout import Layout, Piece
 from .plan import PlanError
+from .records import Holder, SourceBox, new
 
 def _fmt_ranks(holders) -> str:
-    return ",".join(str(r) for r in sorted({h[0] for h in holders}))
+    return ",".join(str(r) for r in sorted({h.rank for h in holders}))
 
 
-def _atoms(boxes: list[Box]) -> list[tuple[Box, list[int]]]:
+def atoms(boxes: list[Box]) -> list[tuple[Box, list[int]]]:
     """Split possibly-overlapping boxes into disjoint atoms, each with the indices of the boxes
     that contain it (only needed when one source layout has partially overlapping pieces)."""
     nd = boxes[0].ndim
     cuts = [sorted({c for b in boxes for c in (b.offsets[d], b.ends[d])}) for d in range(nd)]
-    atoms: dict[Box, list[int]] = {}
+    found: dict[Box, list[int]] = {}
     for i, b in enumerate(boxes):
         ranges = []
         for d in range(nd):
@@ -29,12 +30,12 @@ def _atoms(boxes: list[Box]) -> list[tuple[Box, list[int]]]:
         for rs in ranges:
             cells = [(o + (a,), s + (n,)) for o, s in cells for a, n in rs]
         for o, s in cells:
-            atoms.setdefault(Box(o, s), []).append(i)
-    return sorted(atoms.items())
+            found.setdefault(Box(o, s), []).append(i)
+    return sorted(found.items())
 
 
-def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str, Piece]]]]]:
-    """tensor -> disjoint source boxes, each with its holders (rank, buffer, piece), sorted."""
+def source_index(src: Layout) -> dict[str, list[SourceBox]]:
+    """tensor -> its disjoint source boxes, each with its holders (:class:`~.records.Holder`), sorted."""
     by_tensor: dict[str, dict[tuple, tuple[Box, list]]] = defaultdict(dict)
     for r, bufs in sorted(src.buffers.items()):
         for bname in sorted(bufs):
@@ -44,8 +45,8 @@ def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str,
                 boxes = by_tensor[p.tensor]
                 entry = boxes.get(key)
                 if entry is None:
-                    entry = boxes[key] = (b, [])
-                entry[1].append((r, bname, p))
+                    entry = boxes[key] = SourceBox(b, [])
+                entry.holders.append(new(Holder, (r, bname, p)))
     out = {}
     disjoint: dict[tuple, bool] = {}    # the same boxes recur (one tensor per layer): checked once
     for name, boxes in by_tensor.items():
@@ -61,7 +62,7 @@ def _source_index(src: Layout) -> dict[str, list[tuple[Box, list[tuple[int, str,
             out[name] = [boxes[k] for k in keys]
         else:
             items = [boxes[k] for k in keys]
-            out[name] = [(atom, sorted(h for i in idx for h in items[i][1])) for atom, idx in _atoms([b for b, _ in items])]
+            out[name] = [SourceBox(atom, sorted(h for i in idx for h in items[i].holders)) for atom, idx in atoms([b for b, _ in items])]
     return out
 
 

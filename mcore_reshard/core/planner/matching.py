@@ -9,7 +9,8 @@ from typing import Callable
 from ..box import unchecked_box
 from ..layout import Layout, Piece, itemsize
 from .index import _raise_uncovered
-from .plan import Copy, _copy
+from .plan import Copy, make_copy
+from .records import Region, new
 
 ToLocal = Callable[[Piece, tuple, tuple], tuple]
 
@@ -74,17 +75,15 @@ def _source_windows(index: dict, shared_ranks: bool) -> tuple[dict, list]:
                 rows.sort(key=lambda x: x[1])   # stable: box order within equal starts
                 groups.append((to, te, rows, [x[1] for x in rows], max(x[2] - x[1] for x in rows)))
             windows.append(groups)
-        sources[name] = ([(h, frozenset(x[0] for x in h) if shared_ranks else no_ranks) for _, h in items], sid)
+        sources[name] = ([(h, frozenset(x.rank for x in h) if shared_ranks else no_ranks) for _, h in items], sid)
     return sources, windows
 
 
-def match(src: Layout, dst: Layout, tensors: dict, index: dict, to_local: ToLocal) -> tuple[list[Copy], list[tuple], int]:
+def match(src: Layout, dst: Layout, tensors: dict, index: dict, to_local: ToLocal) -> tuple[list[Copy], list[Region], int]:
     """(local copies, remote regions, lower bound in bytes) of every destination piece, in destination order.
 
-    A remote region is the tuple (-bytes, tensor, offsets, sizes, dst rank, dst buffer, sequence
-    number, holders, dst piece, itemsize, Box, dst local offsets, dst local sizes, dst local Box):
-    the fields up to the (unique) sequence number are the sender greedy's order, so a plain sort
-    gives it without key tuples.  Raises :class:`PlanError` where no source covers a piece."""
+    A remote region is a :class:`~.records.Region`: its fields up to the (unique) sequence number
+    are the sender greedy's order, so a plain sort gives it without key tuples.  Raises :class:`PlanError` where no source covers a piece."""
     sources, windows = _source_windows(index, not set(src.buffers).isdisjoint(dst.buffers))
     geometry: dict[tuple, tuple[bool, list]] = {}
     lboxes: dict[tuple, object] = {}    # (offsets, sizes) -> one shared Box (boxes are immutable)
@@ -143,7 +142,7 @@ def match(src: Layout, dst: Layout, tensors: dict, index: dict, to_local: ToLoca
         return got
 
     local: list[Copy] = []
-    remote: list[tuple] = []
+    remote: list[Region] = []
     lower_bound = 0
     isz_of = {name: itemsize(t["src_dtype"]) for name, t in tensors.items()}
     append = remote.append
@@ -158,20 +157,20 @@ def match(src: Layout, dst: Layout, tensors: dict, index: dict, to_local: ToLoca
                     if prod(dbox.sizes):
                         _raise_uncovered(tensors, index, r, bname, dp, [])
                     continue
-                gkey = (src_rows[1], dbox.offsets, dbox.sizes, dlocal.offsets, dlocal.sizes)
+                rows, sid = src_rows
+                gkey = (sid, dbox.offsets, dbox.sizes, dlocal.offsets, dlocal.sizes)
                 got = geometry.get(gkey)
                 complete, regions = got if got is not None else regions_of(gkey, dp)
-                rows = src_rows[0]
                 for k, lo, sizes, numel, rbox, dlo, dls, dlbox in regions:
                     holders, hranks = rows[k]
                     if r in hranks:
-                        hr, hb, hp = next(h for h in holders if h[0] == r)
+                        hr, hb, hp = next(h for h in holders if h.rank == r)
                         slo, sls = to_local(hp, lo, sizes)
-                        local.append(_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
+                        local.append(make_copy(tname, rbox, hr, hb, unchecked_box(slo, sls), r, bname, dlbox, numel * isz))
                     else:
-                        append((-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz, rbox,
-                                dlo, dls, dlbox))
+                        append(new(Region, (-numel * isz, tname, lo, sizes, r, bname, len(remote), holders, dp, isz,
+                                            rbox, dlo, dls, dlbox)))
                         lower_bound += numel * isz
                 if not complete:
-                    _raise_uncovered(tensors, index, r, bname, dp, [reg[4] for reg in regions])
+                    _raise_uncovered(tensors, index, r, bname, dp, [rbox for _, _, _, _, rbox, *_ in regions])
     return local, remote, lower_bound

@@ -4,6 +4,8 @@ global rounds under the per-rank budget, items packed into one int each.  ``temp
 ``plan.rounds``)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from array import array
 from bisect import bisect_left
 from collections import defaultdict
@@ -15,6 +17,17 @@ from .rounds import RoundFill
 
 WAVE_SLACK = 1.1     # a first order needing more than this x the fewest rounds: the other order is tried too
 
+
+
+class _RankState(NamedTuple):
+    """A rank's state while placing (:func:`_fit`): its :class:`~.rounds.RankFill` fields, then the
+    bytes it sends per round and, per destination rank, the bit mask of rounds with a message to it."""
+    used: list[int]
+    index: list
+    lims: list[int]
+    masks: list[int]
+    sent: list[int]
+    pairs: dict[int, int]
 
 def _place(templates: list, instances: list, budget: int,
            waves: bool | None = None) -> tuple[list[list[int]], int]:
@@ -241,7 +254,7 @@ def _items(templates: list, instances: list, budget: int, bits: _Bits, waves: bo
             key = (tid, i % t.plan.rounds)
             fw = waved.get(key)
             if fw is None:
-                r0, nr = key[1], t.plan.rounds
+                r0, nr = i % t.plan.rounds, t.plan.rounds
                 fw = waved[key] = [(((k + r0) % nr) << sw) | x for k, x in zip(t.round_of, f)]
             f = fw
         base = i << si
@@ -285,13 +298,13 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
     sd, ss, sn, si = bits.d, bits.s, bits.n, bits.i
     if not largest_first:               # in waves, every level of a rank comes back: all kept
         for r, lvs in levels.items():
-            states[r] = (*fill.register(r, sorted(lvs)), [], defaultdict(int))
+            states[r] = _RankState(*fill.register(r, sorted(lvs)), [], defaultdict(int))
         segments = [(len(items), None, ())]
     else:                               # level by level: a rank keeps only the level of its items to come
         if items and items[-1] >> bits.w:
             raise ValueError("largest-first placement: items with a wave")
         for r in levels:
-            states[r] = (*fill.register(r, ()), [], defaultdict(int))
+            states[r] = _RankState(*fill.register(r, ()), [], defaultdict(int))
         ranks_of: dict[int, list[int]] = defaultdict(list)
         for r, lvs in levels.items():
             for lv in lvs:
@@ -393,7 +406,7 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
                 j += cnt
     sends: dict[int, int] = {}          # round * span + src -> bytes staged to send
     for r in sorted(levels) if count else sorted(only_send):
-        for k, x in enumerate(states[r][4] if count else fill.used.get(r, ())):
+        for k, x in enumerate(states[r].sent if count else fill.used.get(r, ())):
             if x:
                 sends[k * span + r] = x
     # a rank's staging per round is what it sends plus what it receives: the receives are the rest
@@ -404,5 +417,5 @@ def _fit(items: list[int], lengths: list[int], budget: int, bits: _Bits, span: i
             v = x - sends.get(ks, 0)
             if v:
                 recvs[ks] = v
-    messages = sum(m.bit_count() for st in states if st is not None for m in st[5].values())
+    messages = sum(m.bit_count() for st in states if st is not None for m in st.pairs.values())
     return placement, fill.rounds, (sends, recvs, messages)

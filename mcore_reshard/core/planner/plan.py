@@ -5,7 +5,7 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Protocol, runtime_checkable
 
 from ..box import Box, unchecked_box
 from ..gcpause import paused_gc
@@ -36,7 +36,9 @@ def check_budget(value, what: str = "budget_bytes") -> int:
     return int(value)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` bytes rounded up to the staging alignment :data:`ALIGN` (every staged entry starts
+    aligned): ``align(1) == 16``, ``align(32) == 32``."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -63,18 +65,13 @@ class Copy(NamedTuple):
     @staticmethod
     def from_json(o) -> "Copy":
         if len(o) == 10 and all(isinstance(x, int) for x in (o[2], o[5], o[8], o[9])):
-            return _copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
+            return make_copy(o[0], _box_json(o[1]), o[2], o[3], _box_json(o[4]), o[5], o[6], _box_json(o[7]), o[8], o[9])
         return Copy(o[0], Box.from_json(o[1]), o[2], o[3], Box.from_json(o[4]), o[5], o[6], Box.from_json(o[7]), o[8], o[9])
 
 
-_new = object.__new__
-_setattr = object.__setattr__
-_tuple_new = tuple.__new__
-
-
-def _copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
-    """``Copy(...)`` without the keyword-argument handling (same object)."""
-    return _tuple_new(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
+def make_copy(tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset=-1) -> Copy:
+    """``Copy(...)`` without the generated ``__new__``'s keyword handling (the same object, faster)."""
+    return tuple.__new__(Copy, (tensor, box, src, src_buffer, src_local, dst, dst_buffer, dst_local, nbytes, offset))
 
 
 def contiguous(sizes, shape) -> bool:
@@ -95,9 +92,9 @@ def _box_json(o) -> Box:
     return Box(offs, sizes)     # raises the checked constructor's error
 
 
-@dataclass(frozen=True)
-class Message:
-    """The copies ``src`` sends ``dst`` in one round.  ``forward``: a two-level plan's forwarded
+class Message(NamedTuple):
+    """The copies ``src`` sends ``dst`` in one round (a named tuple, as :class:`Copy`: immutable,
+    fields by name, cheap to build by the ~10^5 in a full-size plan).  ``forward``: a two-level plan's forwarded
     message (:mod:`.topology`): its entries' ``src_buffer`` / ``src_local`` name the sender's
     *destination* buffer, written in an earlier round.  ``unstaged`` (two-level plans): every
     entry is contiguous in its buffer on both ends (:func:`contiguous`, the tensor not cast) and
@@ -150,9 +147,78 @@ def malformed(field: str):
         raise PlanError(f"plan field {where[0]} is malformed: {what} ({type(e).__name__}: {str(e)[:200]})") from e
 
 
+@runtime_checkable
+class StoredPlan(Protocol):
+    """What every kind of plan offers (:class:`Plan`, :class:`~.templates.TemplatedPlan`,
+    :class:`mcore_reshard.fp8.plan.Fp8Plan`): its JSON (``to_json``, ``dumps``; read back by the
+    kind's ``from_json``), the sha256 ``hash`` every rank compares before anything moves, a
+    ``summary`` for people and its ``stats``."""
+    stats: dict
+
+    def to_json(self) -> dict: ...
+
+    def dumps(self) -> str: ...
+
+    @property
+    def hash(self) -> str: ...
+
+    def summary(self) -> str: ...
+
+
+@runtime_checkable
+class CopyPlan(StoredPlan, Protocol):
+    """A plan of copies: what :func:`~.validate.validate_plan` and the executor read
+    (:class:`Plan`, a part of one, :class:`~.templates.TemplatedPlan`; an FP8 plan holds one as
+    ``rest``).  Example, rank 0 sending ``w`` [4, 8] bf16 to rank 1 in one round::
+
+        plan.rounds == 1; plan.ranks == [0, 1]
+        plan.messages == [Message(round=0, src=0, dst=1, nbytes=64, entries=(Copy("w", ...),))]
+        plan.buffers["dst"][1]["w"] == [[4, 8], "bfloat16"]"""
+    tensors: dict
+    buffers: dict
+    messages: list
+    local_copies: list
+    padding: list
+    budget_bytes: int
+    rounds: int
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+
+class PlanBase:
+    """What :class:`Plan` and :class:`~.templates.TemplatedPlan` (each a :class:`CopyPlan`) share,
+    made from their JSON and fields: ``dumps`` and ``summary``."""
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    def summary(self) -> str:
+        s = self.stats
+        lines = [
+            f"tensors            {len(self.tensors)}",
+            f"bytes over network {s['network_bytes']:,} (lower bound {s['lower_bound_bytes']:,})",
+            f"bytes copied local {s['local_bytes']:,}",
+            f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
+            f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
+            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
+            f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
+        ]
+        return "\n".join(lines)
+
+
+@paused_gc()
+def canonical_hash(plan: StoredPlan) -> str:
+    """sha256 of ``plan``'s canonical JSON (sorted keys, no spaces), its stats excluded (they hold timings)."""
+    obj = plan.to_json()
+    obj.pop("stats")
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 @dataclass
-class Plan:
-    """Plain-data plan.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
+class Plan(PlanBase):
+    """Plain-data plan (a :class:`CopyPlan`); ``whole``: for one rank's part of a templated plan
+    (:func:`~.templates.part_of`), the whole plan, whose hash the part carries.  ``buffers[side][rank][name] = (shape, dtype)`` lets every rank check its
     real tensors against the plan before anything moves."""
     tensors: dict[str, dict]                         # name -> {"shape", "src_dtype", "dst_dtype"}
     buffers: dict[str, dict[int, dict[str, list]]]   # "src"/"dst" -> rank -> name -> [shape, dtype]
@@ -162,6 +228,7 @@ class Plan:
     budget_bytes: int
     rounds: int
     stats: dict = field(default_factory=dict)
+    whole: "CopyPlan | None" = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -214,35 +281,12 @@ class Plan:
         return Plan(tensors=tensors, buffers=buffers, messages=messages, local_copies=local, padding=padding,
                     budget_bytes=budget, rounds=rounds, stats=stats)
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-
     @property
-    @paused_gc()
     def hash(self) -> str:
         """sha256 of the canonical JSON, stats excluded (they hold timings); a part of a templated plan
         (:func:`plan_part`) has the whole plan's hash, a templated plan that of its compact form."""
-        whole = self.__dict__.get("_whole")
-        if whole is not None:
-            return whole.hash
-        obj = self.to_json()
-        obj.pop("stats")
-        return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return canonical_hash(self) if self.whole is None else self.whole.hash
 
     @property
     def ranks(self) -> list[int]:
         return sorted(set(self.buffers["src"]) | set(self.buffers["dst"]))
-
-    def summary(self) -> str:
-        s = self.stats
-        lines = [
-            f"tensors            {len(self.tensors)}",
-            f"bytes over network {s['network_bytes']:,} (lower bound {s['lower_bound_bytes']:,})",
-            f"bytes copied local {s['local_bytes']:,}",
-            f"messages           {s['messages']} in {self.rounds} round(s), budget {self.budget_bytes:,} B/rank",
-            f"max sent / rank    {s['max_send_bytes']:,}  max received / rank {s['max_recv_bytes']:,}",
-            f"staging / rank     {s.get('max_stage_bytes', 0):,} B (send + receive, one round)",
-            f"padding regions    {len(self.padding)} ({s['padding_bytes']:,} B zero-filled)",
-        ]
-        return "\n".join(lines)
-

@@ -4,9 +4,21 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 from operator import itemgetter
+from typing import NamedTuple
 
 from . import fastfit
-from .plan import ALIGN, Copy, Message, _new, _setattr, _tuple_new
+from .plan import ALIGN, Copy, Message
+from .records import ForwardCopy, PendingCopy, new
+
+class RankFill(NamedTuple):
+    """One rank's state in a :class:`RoundFill`: its staged bytes per round (``used``), level ->
+    index in ``lims`` (None: not registered on the rank), the lims registered on it sorted, and
+    their masks (bit k set: round k has more staged than the lim)."""
+    used: list[int]
+    index: list
+    lims: list[int]
+    masks: list[int]
+
 
 class RoundFill:
     """First fit under a per-rank budget: each rank's staged bytes per round, and items placed in the
@@ -30,9 +42,7 @@ class RoundFill:
         self.used: dict[int, list[int]] = {}     # rank -> staged bytes per round
         self.lims: list[int] = []                # level -> lim
         self.levels: dict[int, int] = {}         # lim -> level
-        # rank -> (its used list, level -> index in its lims (None: not registered on the rank),
-        # its lims sorted, their masks): one lookup per rank
-        self.state: dict[int, tuple[list[int], list, list[int], list[int]]] = {}
+        self.state: dict[int, RankFill] = {}     # rank -> its state: one lookup per rank
 
     @property
     def rounds(self) -> int:
@@ -48,12 +58,12 @@ class RoundFill:
             self.lims.append(lim)
         return lv
 
-    def register(self, r: int, levels) -> tuple[list[int], list, list[int], list[int]]:
+    def register(self, r: int, levels) -> RankFill:
         """Rank ``r``'s state, each of ``levels`` registered on it (its mask computed from what
         the rank staged so far, kept up to date from then on)."""
         st = self.state.get(r)
         if st is None:
-            st = self.state[r] = (self.used.setdefault(r, []), [], [], [])
+            st = self.state[r] = RankFill(self.used.setdefault(r, []), [], [], [])
         u, index, keys, masks = st
         for lv in levels:
             if lv >= len(index):
@@ -83,13 +93,13 @@ class RoundFill:
         budget = self.budget
         lv = self.level(budget - n)
         ss, sd = self.register(s, (lv,)), self.register(d, (lv,))
-        full = ss[3][ss[1][lv]] | sd[3][sd[1][lv]]
+        full = ss.masks[ss.index[lv]] | sd.masks[sd.index[lv]]
         bit = ~full & (full + 1)
         k = bit.bit_length() - 1
-        for u in (ss[0], sd[0]):
+        for u in (ss.used, sd.used):
             if len(u) <= k:             # new rounds start empty
                 u.extend([0] * (k + 1 - len(u)))
-        a, b = ss[0][k], sd[0][k]
+        a, b = ss.used[k], sd.used[k]
         cnt = min(count, (budget - max(a, b)) // n)
         for (u, _, keys, masks), a in ((ss, a), (sd, b)):
             y = u[k] = a + cnt * n
@@ -98,8 +108,14 @@ class RoundFill:
         return k, cnt
 
 
-def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None = None,
-                 unstaged: list[tuple] | None = None, domain=None) -> tuple[list[Message], int, tuple]:
+#: a message's entries' order: tensor, box, dst buffer, dst local box, then the sequence number
+#: (an itemgetter of those fields' positions: as fast as a plain index, named here)
+_ENTRY_KEY = itemgetter(*map(PendingCopy._fields.index, ("tensor", "offsets", "sizes", "dst_buffer", "dst_local_offsets",
+                                                         "dst_local_sizes", "seq")))
+
+
+def _pack_rounds(copies: list[PendingCopy], budget: int, forwards: list[ForwardCopy] | None = None,
+                 unstaged: list[PendingCopy] | None = None, domain=None) -> tuple[list[Message], int, tuple]:
     """First-fit decreasing (each copy, largest first, to the lowest round where both its ranks
     still have room) into rounds so that, in every round, what a rank stages to send plus
     what it stages to receive stays within ``budget`` bytes (one staging buffer per rank, split
@@ -107,9 +123,8 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     with 16-byte aligned entries.  Every copy is at most ``budget`` bytes once aligned (split
     before), and a remote copy's two ranks differ, so a fresh round always has room for it.
 
-    ``copies`` are the tuples ``make_plan`` builds (-bytes, src, dst, tensor, offsets, sizes,
-    sequence number (unique: ties keep the order given, as a stable sort would), src buffer, src
-    local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box).  Also returns
+    ``copies`` are the :class:`~.records.PendingCopy` records ``make_plan`` builds (their unique
+    sequence number keeps ties in the order given, as a stable sort would).  Also returns
     the per-rank totals of :func:`plan_stats` (bytes sent, received, staged per round).
 
     ``forwards`` (two-level plans, :mod:`.topology`): forwarded copies, placed after every other
@@ -129,7 +144,7 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
         from .topology import place_unstaged
         rounds = max(rounds, place_unstaged(unstaged, rounds, placed))
     messages = []
-    entry_key = itemgetter(3, 4, 5, 9, 10, 11, 6)     # tensor, box, dst buffer, dst local box
+    entry_key = _ENTRY_KEY
     # the plan's per-rank totals (``plan_stats``), summed here rather than in another pass
     sent: dict[int, int] = defaultdict(int)
     recv: dict[int, int] = defaultdict(int)
@@ -137,7 +152,7 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
     stage_recv: dict[tuple[int, int], int] = defaultdict(int)
     ck = fastfit.cfit
     for key in sorted(placed):         # (round, src, dst), then (round, src, dst, flag): _FLAGS
-        k, s, d = key[:3]
+        k, s, d, *flag = key
         group = placed[key]
         if len(group) > 1:
             group.sort(key=entry_key)
@@ -147,26 +162,22 @@ def _pack_rounds(copies: list[tuple], budget: int, forwards: list[tuple] | None 
             entries, off, payload = [], 0, 0
             add = entries.append
             for c in group:
-                nb = -c[0]
-                add(_tuple_new(Copy, (c[3], c[12], s, c[7], c[8], d, c[9], c[13], nb, off)))     # _copy(...) inlined
+                nb = -c.neg_nbytes
+                add(new(Copy, (c.tensor, c.box, s, c.src_buffer, c.src_local, d, c.dst_buffer, c.dst_local, nb, off)))
                 off += (nb + ALIGN - 1) // ALIGN * ALIGN
                 payload += nb
             entries = tuple(entries)
-        m = _new(Message)               # as Message(...) without the frozen dataclass __init__
-        md = {"round": k, "src": s, "dst": d, "nbytes": off, "entries": entries}
-        if len(key) > 3:
-            md.update(_FLAGS[key[3]])
-        _setattr(m, "__dict__", md)
-        messages.append(m)
+        forward, unstaged = _FLAGS[tuple(flag)]
+        messages.append(new(Message, (k, s, d, off, entries, forward, unstaged)))
         sent[s] += payload
         recv[d] += payload
-        if len(key) == 3 or key[3] == 1:        # unstaged messages take no staging
+        if not unstaged:                    # unstaged messages take no staging
             stage_send[(k, s)] += off
             stage_recv[(k, d)] += off
     return messages, rounds, (sent, recv, stage_send, stage_recv)
 
 
-def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, list[int]] | None, int]:
+def _first_fit_runs(copies: list[PendingCopy], budget: int) -> tuple[dict, dict[int, list[int]] | None, int]:
     """:func:`_pack_rounds`' first fit of flat plans: (placed: (round, src, dst) -> copies, per-rank
     staged bytes per round (None where the C kernel placed them: flat plans do not read it), rounds)."""
     split = getattr(copies, "split", True)
@@ -180,7 +191,7 @@ def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, l
             pass
         else:
             return dict(zip(keys, groups)), None, rounds
-    placed: dict[tuple[int, int, int], list[tuple]] = defaultdict(list)
+    placed: dict[tuple[int, int, int], list[PendingCopy]] = defaultdict(list)
     fill = RoundFill(budget)
     # copies come in runs of equal (size, src, dst): first-fit puts a run's copies, in order, into
     # the lowest round where both ranks have room until one of them is full, then the next such
@@ -191,7 +202,7 @@ def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, l
     else:                               # unsplit, in sequence order (senders.Copies): grouped, not sorted
         groups: dict[tuple, list] = {}
         for c in copies:
-            k3 = (c[0], c[1], c[2])
+            k3 = (c.neg_nbytes, c.src, c.dst)
             g = groups.get(k3)
             if g is None:
                 groups[k3] = [c]
@@ -200,9 +211,9 @@ def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, l
         runs = [groups[k3] for k3 in sorted(groups)]
         del groups
     for run in runs:
-        c = run[0]
-        s, d = c[1], c[2]
-        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
+        head = run[0]
+        s, d = head.src, head.dst
+        n = (-head.neg_nbytes + ALIGN - 1) // ALIGN * ALIGN
         j, end = 0, len(run)
         while j < end:
             k, cnt = fill.place(s, d, n, end - j)
@@ -211,44 +222,45 @@ def _first_fit_runs(copies: list[tuple], budget: int) -> tuple[dict, dict[int, l
     return placed, fill.used, fill.rounds
 
 
-#: the message flags of a ``placed`` key's 4th item: forwarded, forwarded and unstaged, unstaged
-_FLAGS = {1: {"forward": True}, 2: {"forward": True, "unstaged": True}, 3: {"unstaged": True}}
+#: (forward, unstaged) of a message by its ``placed`` key's items after (round, src, dst): none,
+#: 1 forwarded, 2 forwarded and unstaged, 3 unstaged
+_FLAGS = {(): (False, False), (1,): (True, False), (2,): (True, True), (3,): (False, True)}
 
 
-def _runs(srt: list[tuple]) -> list[list[tuple]]:
+def _runs(srt: list[PendingCopy]) -> list[list[PendingCopy]]:
     """Sorted copies cut into runs of equal (-bytes, src, dst)."""
     out = []
     j, total = 0, len(srt)
     while j < total:
         c = srt[j]
-        key0, s, d = c[0], c[1], c[2]
+        key0, s, d = c.neg_nbytes, c.src, c.dst
         end = j + 1
-        while end < total and srt[end][0] == key0 and srt[end][1] == s and srt[end][2] == d:
+        while end < total and (c := srt[end]).neg_nbytes == key0 and c.src == s and c.dst == d:
             end += 1
         out.append(srt[j:end])
         j = end
     return out
 
 
-def _place_forwards(forwards: list[tuple], budget: int, used: dict[int, list[int]], placed: dict) -> int:
+def _place_forwards(forwards: list[ForwardCopy], budget: int, used: dict[int, list[int]], placed: dict) -> int:
     """First-fit (largest first) of forwarded copies into rounds after their carrier's copy; returns
     the rounds used.  ``used``: per rank, staged bytes per round so far (updated).  An unstaged
-    forwarded copy (16th item true, :attr:`Message.unstaged`) takes no staging: it goes in the
+    forwarded copy (``unstaged``, :attr:`Message.unstaged`) takes no staging: it goes in the
     round right after its carrier's copy landed, whatever the budget."""
-    want = {f[14] for f in forwards}
+    want = {f.carrier for f in forwards}
     landed: dict[tuple, int] = {}       # carrier copy key -> round it lands in
     for (k, s, d), group in placed.items():
         for c in group:
-            key = (d, c[9], c[3], c[4], c[5])
+            key = (d, c.dst_buffer, c.tensor, c.offsets, c.sizes)     # equal to its CarrierKey
             if key in want:
                 landed[key] = k
     forwards.sort()                     # the sequence number (unique) decides before any Box is compared
     rounds = 0
     for f in forwards:
-        lim = budget - (-f[0] + ALIGN - 1) // ALIGN * ALIGN
-        s, d = f[1], f[2]
-        k = landed[f[14]] + 1
-        if len(f) > 15 and f[15]:
+        lim = budget - (-f.neg_nbytes + ALIGN - 1) // ALIGN * ALIGN
+        s, d = f.src, f.dst
+        k = landed[f.carrier] + 1
+        if f.unstaged:
             placed.setdefault((k, s, d, 2), []).append(f)
             if k >= rounds:
                 rounds = k + 1

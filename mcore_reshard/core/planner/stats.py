@@ -30,7 +30,7 @@ def plan_part(plan: Plan, rank: int) -> Plan:
         return own(rank)
     messages = [m for m in plan.messages if m.src == rank or m.dst == rank]
     local = [c for c in plan.local_copies if c.dst == rank or c.src == rank]
-    padding = [x for x in plan.padding if x[0] == rank]
+    padding = [(r, b, box) for r, b, box in plan.padding if r == rank]
     part = Plan(plan.tensors, plan.buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
     part.stats = {"rank": rank}
     return part

@@ -36,10 +36,20 @@ from collections import defaultdict
 from ..gcpause import paused_gc
 from ..layout import Layout
 from .forms import MARK, _canonical_layouts, _Forms, _groups, _instances, _layer_of, _rotation_changes
-from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanError, _new, _setattr, _tuple_new
+from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanBase, PlanError, canonical_hash
+from .records import Instance, LayerNumbers, new
 from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 
 TEMPLATE_VERSION = 3
+
+
+class _Merging:
+    """A message being merged from instances' template messages: its entries so far and their bytes."""
+    __slots__ = ("nbytes", "entries")
+
+    def __init__(self):
+        self.nbytes = 0
+        self.entries: list[Copy] = []
 
 
 class _Renamed(dict):
@@ -145,10 +155,136 @@ def make_templated(src: Layout, dst: Layout, tensors: dict, budget_bytes: int, a
     return TemplatedPlan(tensors, budget_bytes, templates, instances)
 
 
-class TemplatedPlan(Plan):
-    """A :class:`Plan` kept as templates + instances + round placement; ``messages``,
-    ``local_copies``, ``padding`` and ``buffers`` are made on first use (all ranks'), and
-    :func:`part_of` makes one rank's.  The hash covers the compact form (:meth:`to_json`)."""
+class _Instantiation:
+    """A templated plan's copies, messages, padding and buffers made from its templates, instances
+    and placement: every rank's (``rank`` / ``wanted`` None) or one rank's, names re-numbered per
+    instance (:class:`_Namer`, shared)."""
+
+    def __init__(self, templates: list[_Template], instances: list[Instance], placement: list):
+        self.templates = templates
+        self.instances = instances
+        self.placement = placement
+        self.name = _Namer()
+        self._index: list[dict[int, int]] | None = None
+
+    def copies(self, copies, inst: Instance, base: int | None) -> list[Copy]:
+        """The template's ``copies`` of instance ``inst``: names re-numbered, rank indices mapped,
+        offsets shifted by ``base`` (None: offset -1, local copies).
+
+        The one loop of the planner that reads a record (:class:`~.plan.Copy`) by position: it
+        makes every copy of a templated plan (~10^5..10^6 in a full-size one), and unpacking each
+        template copy in the comprehension's target costs less than ten reads by name: 0.88 against
+        1.18 us per copy made (200 k copies, CPython 3.12), i.e. names would add ~35% here."""
+        nums, ranks = inst.layers, inst.ranks
+        table = self.name.table
+        tt, ts, td = table(nums.tensors), table(nums.src), table(nums.dst)
+        if base is None:
+            return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, -1))
+                    for t, box, s, sb, sl, d, db, dl, nb, _ in copies]
+        return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, base + off))
+                for t, box, s, sb, sl, d, db, dl, nb, off in copies]
+
+    def index_in(self, i: int, rank: int | None):
+        """Rank indices of instance ``i`` to make: all, or the one of ``rank`` (none when it is not in it)."""
+        ranks = self.instances[i].ranks
+        if rank is None:
+            return range(len(ranks))
+        index = self._index
+        if index is None:       # per instance: rank -> its index (a rotated instance's ranks are not sorted)
+            index = self._index = [{r: j for j, r in enumerate(rs)} for _, _, rs in self.instances]
+        j = index[i].get(rank)
+        return () if j is None else (j,)
+
+    def local(self, rank: int | None) -> list[Copy]:
+        out = []
+        for i, inst in enumerate(self.instances):
+            t = self.templates[inst.template]
+            for j in self.index_in(i, rank):
+                out.extend(self.copies(t.local_of.get(j, ()), inst, None))
+        out.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
+        return out
+
+    def padding(self, rank: int | None) -> list:
+        out = []
+        for i, inst in enumerate(self.instances):
+            t = self.templates[inst.template]
+            nd, ranks = inst.layers.dst, inst.ranks
+            for j in self.index_in(i, rank):
+                out.extend((ranks[j], self.name(b, nd), box) for b, box in t.pad_of.get(j, ()))
+        out.sort(key=lambda x: x[:2])     # (rank, buffer name)
+        return out
+
+    def messages(self, rank: int | None) -> list[Message]:
+        """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
+        insts, tps, pl = self.instances, self.templates, self.placement
+        keys = []
+        for i, inst in enumerate(insts):
+            t = tps[inst.template]
+            if rank is None:
+                qs = range(len(t.msgs))
+            else:
+                j = self.index_in(i, rank)
+                if not j:
+                    continue
+                (j,) = j
+                qs = t.of_index.get(j, ())
+            gi = pl[i]
+            keys.extend((gi[q], i, q) for q in qs)
+        keys.sort()
+        # every message of a pair with ``rank`` at one end involves ``rank``, and items merge in
+        # (instance, message) order: the offsets of a merged message are the same in a part as in
+        # the whole plan
+        out: list[Message] = []
+        merged: dict[tuple[int, int], list] = {}
+
+        def flush(g: int) -> None:
+            for (s, d), e in sorted(merged.items()):
+                out.append(new(Message, (g, s, d, e.nbytes, tuple(e.entries), False, False)))
+            merged.clear()
+
+        cur = None
+        for g, i, q in keys:
+            if g != cur:
+                if cur is not None:
+                    flush(cur)
+                cur = g
+            inst = insts[i]
+            ranks = inst.ranks
+            m = tps[inst.template].msgs[q]
+            key = (ranks[m.src], ranks[m.dst])
+            e = merged.get(key)
+            if e is None:
+                e = merged[key] = _Merging()
+            e.entries.extend(self.copies(m.entries, inst, e.nbytes))
+            e.nbytes += m.nbytes
+        if cur is not None:
+            flush(cur)
+        return out
+
+    def buffers(self, wanted: set[int] | None) -> dict:
+        """``buffers`` of a templated plan: every rank's (``wanted`` None) or those of ``wanted``."""
+        out: dict = {"src": {}, "dst": {}}
+        for inst in self.instances:
+            t = self.templates[inst.template]
+            nums, ranks = inst.layers, inst.ranks
+            for side, n in (("src", nums.src), ("dst", nums.dst)):
+                tb = t.plan.buffers[side]
+                for j, bufs in tb.items():
+                    r = ranks[j]
+                    if wanted is not None and r not in wanted:
+                        continue
+                    mine = out[side].setdefault(r, {})
+                    for bname, meta in bufs.items():
+                        mine[self.name(bname, n)] = meta
+        for side in out:
+            out[side] = {r: dict(sorted(b.items())) for r, b in sorted(out[side].items())}
+        return out
+
+
+class TemplatedPlan(PlanBase):
+    """A plan of copies (:class:`~.plan.CopyPlan`, as :class:`~.plan.Plan`) kept as templates +
+    instances + round placement; ``messages``, ``local_copies``, ``padding`` and ``buffers`` are
+    made on first use (all ranks', by :class:`_Instantiation`), and :func:`part_of` makes one rank's.  The hash covers the compact form (:meth:`to_json`)."""
 
     def part(self, rank: int) -> Plan:
         """This rank's part, from the templates alone (:func:`part_of`)."""
@@ -171,10 +307,20 @@ class TemplatedPlan(Plan):
             placement, rounds, counted = _place_counted(templates, instances, budget_bytes)
         self.placement = placement      # instance -> the global round of each of its template's messages
         self.rounds = rounds
-        self.name = _Namer()
+        self.made = _Instantiation(templates, instances, placement)
+        self.name = self.made.name
         self._cache: dict = {}
         # given: a received plan's; ``counted``: the staging totals of the placement just made
-        self.stats = _templated_stats(self, counted) if stats is None else stats
+        self.stats = (templated_stats(templates, instances, placement, self.ranks, rounds, counted) if stats is None
+                      else stats)
+
+    def __eq__(self, other) -> bool:
+        """Equal as :class:`~.plan.Plan` compares: the same class, views, budget, rounds and stats."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return _compared(self) == _compared(other)
+
+    __hash__ = None     # mutable, compared by value (as Plan)
 
     # -------------------------------------------------------------- compact form
     def to_json(self) -> dict:
@@ -193,7 +339,7 @@ class TemplatedPlan(Plan):
         for t in plans:
             t.stats = plan_stats(t)         # a sound plan's network bytes are its lower bound
         templates = [_Template(t) for t in plans]
-        instances = [(tid, tuple(nums), tuple(ranks)) for tid, nums, ranks in o["instances"]]
+        instances = [Instance(tid, LayerNumbers(*nums), tuple(ranks)) for tid, nums, ranks in o["instances"]]
         placement, rounds = [list(x) for x in o["placement"]], o["rounds"]
         _check_placement(templates, instances, placement, rounds)
         return TemplatedPlan(dict(o["tensors"]), o["budget_bytes"], templates, instances, placement, rounds,
@@ -203,7 +349,7 @@ class TemplatedPlan(Plan):
     def hash(self) -> str:
         got = self._cache.get("hash")
         if got is None:
-            got = self._cache["hash"] = Plan.hash.fget(self)
+            got = self._cache["hash"] = canonical_hash(self)
         return got
 
     # -------------------------------------------------------------- views made on first use
@@ -212,7 +358,7 @@ class TemplatedPlan(Plan):
     def messages(self) -> list[Message]:
         got = self._cache.get("messages")
         if got is None:
-            got = self._cache["messages"] = self._messages(None)
+            got = self._cache["messages"] = self.made.messages(None)
         return got
 
     @property
@@ -220,14 +366,14 @@ class TemplatedPlan(Plan):
     def local_copies(self) -> list[Copy]:
         got = self._cache.get("local")
         if got is None:
-            got = self._cache["local"] = self._local(None)
+            got = self._cache["local"] = self.made.local(None)
         return got
 
     @property
     def padding(self) -> list:
         got = self._cache.get("padding")
         if got is None:
-            got = self._cache["padding"] = self._padding(None)
+            got = self._cache["padding"] = self.made.padding(None)
         return got
 
     @property
@@ -235,132 +381,20 @@ class TemplatedPlan(Plan):
     def buffers(self) -> dict:
         got = self._cache.get("buffers")
         if got is None:
-            got = self._cache["buffers"] = _templated_buffers(self, None)
+            got = self._cache["buffers"] = self.made.buffers(None)
         return got
 
     @property
     def ranks(self) -> list[int]:
         return sorted({r for _, _, ranks in self.instances for r in ranks})
 
-    # -------------------------------------------------------------- instantiation
-    def _copies(self, copies, inst: tuple, base: int | None) -> list[Copy]:
-        """The template's ``copies`` of instance ``inst``: names re-numbered, rank indices mapped,
-        offsets shifted by ``base`` (None: offset -1, local copies)."""
-        _, (nt, ns, nd), ranks = inst
-        table = self.name.table
-        tt, ts, td = table(nt), table(ns), table(nd)
-        new = _tuple_new
-        if base is None:
-            return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, -1))
-                    for t, box, s, sb, sl, d, db, dl, nb, _ in copies]
-        return [new(Copy, (tt[t], box, ranks[s], ts[sb], sl, ranks[d], td[db], dl, nb, base + off))
-                for t, box, s, sb, sl, d, db, dl, nb, off in copies]
 
-    def _messages(self, rank: int | None) -> list[Message]:
-        """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
-        return _templated_messages(self, rank)
-
-    def _index_in(self, i: int, rank: int | None):
-        """Rank indices of instance ``i`` to make: all, or the one of ``rank`` (none when it is not in it)."""
-        ranks = self.instances[i][2]
-        if rank is None:
-            return range(len(ranks))
-        index = self._cache.get("index")
-        if index is None:       # per instance: rank -> its index (a rotated instance's ranks are not sorted)
-            index = self._cache["index"] = [{r: j for j, r in enumerate(rs)} for _, _, rs in self.instances]
-        j = index[i].get(rank)
-        return () if j is None else (j,)
-
-    def _local(self, rank: int | None) -> list[Copy]:
-        out = []
-        for i, inst in enumerate(self.instances):
-            t = self.templates[inst[0]]
-            for j in self._index_in(i, rank):
-                out.extend(self._copies(t.local_of.get(j, ()), inst, None))
-        out.sort(key=lambda c: (c.dst, c.dst_buffer, c.dst_local.offsets, c.dst_local.sizes))
-        return out
-
-    def _padding(self, rank: int | None) -> list:
-        out = []
-        for i, inst in enumerate(self.instances):
-            t = self.templates[inst[0]]
-            nd, ranks = inst[1][2], inst[2]
-            for j in self._index_in(i, rank):
-                out.extend((ranks[j], self.name(b, nd), box) for b, box in t.pad_of.get(j, ()))
-        out.sort(key=lambda x: (x[0], x[1]))
-        return out
-
-def _templated_messages(self: "TemplatedPlan", rank: int | None) -> list[Message]:
-    """Every message (``rank`` None) or those ``rank`` sends or receives, sorted by (round, src, dst)."""
-    insts, tps, pl = self.instances, self.templates, self.placement
-    keys = []
-    for i, inst in enumerate(insts):
-        t = tps[inst[0]]
-        if rank is None:
-            qs = range(len(t.msgs))
-        else:
-            j = self._index_in(i, rank)
-            if not j:
-                continue
-            qs = t.of_index.get(j[0], ())
-        gi = pl[i]
-        keys.extend((gi[q], i, q) for q in qs)
-    keys.sort()
-    # every message of a pair with ``rank`` at one end involves ``rank``, and items merge in
-    # (instance, message) order: the offsets of a merged message are the same in a part as in
-    # the whole plan
-    out: list[Message] = []
-    merged: dict[tuple[int, int], list] = {}
-
-    def flush(g: int) -> None:
-        for (s, d), (nbytes, entries) in sorted(merged.items()):
-            msg = _new(Message)
-            _setattr(msg, "__dict__", {"round": g, "src": s, "dst": d, "nbytes": nbytes, "entries": tuple(entries)})
-            out.append(msg)
-        merged.clear()
-
-    cur = None
-    for g, i, q in keys:
-        if g != cur:
-            if cur is not None:
-                flush(cur)
-            cur = g
-        inst = insts[i]
-        ranks = inst[2]
-        m = tps[inst[0]].msgs[q]
-        key = (ranks[m.src], ranks[m.dst])
-        e = merged.get(key)
-        if e is None:
-            e = merged[key] = [0, []]
-        base = e[0]
-        e[1].extend(self._copies(m.entries, inst, base))
-        e[0] = base + m.nbytes
-    if cur is not None:
-        flush(cur)
-    return out
+def _compared(p: TemplatedPlan) -> tuple:
+    return (p.tensors, p.buffers, p.messages, p.local_copies, p.padding, p.budget_bytes, p.rounds, p.stats)
 
 
-def _templated_buffers(self: "TemplatedPlan", wanted: set[int] | None) -> dict:
-    """``buffers`` of a templated plan: every rank's (``wanted`` None) or those of ``wanted``."""
-    out: dict = {"src": {}, "dst": {}}
-    for inst in self.instances:
-        t = self.templates[inst[0]]
-        nums, ranks = inst[1], inst[2]
-        for side, n in (("src", nums[1]), ("dst", nums[2])):
-            tb = t.plan.buffers[side]
-            for j, bufs in tb.items():
-                r = ranks[j]
-                if wanted is not None and r not in wanted:
-                    continue
-                mine = out[side].setdefault(r, {})
-                for bname, meta in bufs.items():
-                    mine[self.name(bname, n)] = meta
-    for side in out:
-        out[side] = {r: dict(sorted(b.items())) for r, b in sorted(out[side].items())}
-    return out
-
-
-def _templated_stats(self: "TemplatedPlan", counted: tuple | None = None) -> dict:
+def templated_stats(templates: list[_Template], instances: list[Instance], placement: list, ranks: list[int],
+                    rounds: int, counted: tuple | None = None) -> dict:
     """The stats of a templated plan, counted from its templates and placement (no copies made);
     ``counted``: the staging totals :func:`~.placement._place_counted` kept while placing (else
     counted here from the placement, one pass over every instance's messages)."""
@@ -369,7 +403,7 @@ def _templated_stats(self: "TemplatedPlan", counted: tuple | None = None) -> dic
     recv: dict[int, int] = defaultdict(int)
     lower = local = pad = 0
     tstats = []
-    for t in self.templates:
+    for t in templates:
         p = t.plan
         tsent: dict[int, int] = defaultdict(int)
         trecv: dict[int, int] = defaultdict(int)
@@ -378,38 +412,38 @@ def _templated_stats(self: "TemplatedPlan", counted: tuple | None = None) -> dic
             tsent[m.src] += payload
             trecv[m.dst] += payload
         tstats.append((tsent, trecv, p.stats["lower_bound_bytes"], p.stats["local_bytes"], p.stats["padding_bytes"]))
-    for tid, _, ranks in self.instances:
+    for tid, _, iranks in instances:
         tsent, trecv, lb, lc, pd = tstats[tid]
         for j, v in tsent.items():
-            sent[ranks[j]] += v
+            sent[iranks[j]] += v
         for j, v in trecv.items():
-            recv[ranks[j]] += v
+            recv[iranks[j]] += v
         lower += lb
         local += lc
         pad += pd
     if counted is None:
-        counted = _count_staging(self)
+        counted = _count_staging(templates, instances, placement, ranks)
     # staging per (global round, rank) keyed by round * span + rank: only the maxima of
     # the per-(round, rank) sums are kept, so the key's form does not matter
     stage_send, stage_recv, messages = counted
-    stats = _totals_dict(self.ranks, (sent, recv, stage_send, stage_recv), lower, local, pad, messages, self.rounds)
-    stats["templates"] = len(self.templates)
-    stats["instances"] = len(self.instances)
+    stats = _totals_dict(ranks, (sent, recv, stage_send, stage_recv), lower, local, pad, messages, rounds)
+    stats["templates"] = len(templates)
+    stats["instances"] = len(instances)
     return stats
 
 
-def _count_staging(self: "TemplatedPlan") -> tuple:
+def _count_staging(templates: list[_Template], instances: list[Instance], placement: list, ranks: list[int]) -> tuple:
     """Staging per (global round, rank) (keys ``round * span + rank``, ``span`` the largest rank
     + 1), sends and receives apart, and the number of (global round, src, dst) messages, from
     the placement."""
-    span = max(self.ranks, default=0) + 1
+    span = max(ranks, default=0) + 1
     ss: dict[int, int] = defaultdict(int)
     sr: dict[int, int] = defaultdict(int)
     pairs: set[int] = set()
     add = pairs.add
-    for (tid, _, ranks), gi in zip(self.instances, self.placement):
-        for (s, d, n), g in zip(self.templates[tid].pairs, gi):
-            rs, rd, gk = ranks[s], ranks[d], g * span
+    for (tid, _, iranks), gi in zip(instances, placement):
+        for (s, d, n), g in zip(templates[tid].pairs, gi):
+            rs, rd, gk = iranks[s], iranks[d], g * span
             ss[gk + rs] += n
             sr[gk + rd] += n
             add((gk + rs) * span + rd)
@@ -441,18 +475,17 @@ def part_of(plan: TemplatedPlan, rank: int) -> Plan:
     """``rank``'s own part of a templated plan, made from the templates alone (no other rank's copies);
     buffer metadata: all of ``rank``'s, and of each peer the buffers its messages with ``rank`` name
     (what :func:`validate_plan` checks them against).  Its :attr:`Plan.hash` is the whole plan's."""
-    messages = plan._messages(rank)
-    local = plan._local(rank)
-    padding = plan._padding(rank)
-    buffers = _templated_buffers(plan, {rank})
+    made = plan.made
+    messages = made.messages(rank)
+    local = made.local(rank)
+    padding = made.padding(rank)
+    buffers = made.buffers({rank})
     for side, r, name, meta in _peer_buffers(plan, rank):
         buffers[side].setdefault(r, {})[name] = meta
     for side in buffers:
         buffers[side] = {r: dict(sorted(b.items())) for r, b in sorted(buffers[side].items())}
-    part = Plan(plan.tensors, buffers, messages, local, padding, plan.budget_bytes, plan.rounds)
-    part.stats = {"rank": rank}
-    part.__dict__["_whole"] = plan
-    return part
+    return Plan(plan.tensors, buffers, messages, local, padding, plan.budget_bytes, plan.rounds, {"rank": rank},
+                whole=plan)
 
 
 def _peer_buffers(plan: TemplatedPlan, rank: int):
@@ -461,16 +494,17 @@ def _peer_buffers(plan: TemplatedPlan, rank: int):
     write, made once per template; then renamed per instance."""
     name = plan.name
     for i, (tid, nums, ranks) in enumerate(plan.instances):
-        js = plan._index_in(i, rank)
+        js = plan.made.index_in(i, rank)
         if not js:
             continue
         t = plan.templates[tid]
         refs = t.refs()
         tb = t.plan.buffers
-        for q in t.of_index.get(js[0], ()):
+        (mine,) = js
+        for q in t.of_index.get(mine, ()):
             for j, side, cname in refs[q]:
-                if j != js[0]:
-                    yield side, ranks[j], name(cname, nums[1] if side == "src" else nums[2]), tb[side][j][cname]
+                if j != mine:
+                    yield side, ranks[j], name(cname, nums.src if side == "src" else nums.dst), tb[side][j][cname]
 
 
 PLAN_FORMATS[TEMPLATE_VERSION] = TemplatedPlan.from_json

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from math import prod
 
 from ..box import Box, split_box, unchecked_box
-from .index import _atoms, _disjoint
+from .index import atoms, _disjoint
 from .matching import ToLocal
 from .plan import ALIGN, PlanError, contiguous
+from .records import CarrierKey, ForwardCopy, PendingCopy, Region
 
 
 @dataclass(frozen=True)
@@ -75,19 +76,14 @@ class Topology:
         raise PlanError(f"topology={x!r}: a Topology, a domain size or a rank -> domain list")
 
 
-def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: int,
-                    to_local: ToLocal, shape_of=None) -> tuple[list[tuple], list[tuple], int]:
+def plan_forwarding(remote: list[Region], topo: Topology, tensors: dict, budget: int,
+                    to_local: ToLocal, shape_of=None) -> tuple[list[Region], list[ForwardCopy], int]:
     """(remote regions for :func:`~.senders.choose_senders`, forwarded copies, NIC lower bound in bytes).
 
-    ``remote`` are :func:`~.matching.match`'s regions (-bytes, tensor, offsets, sizes, dst rank,
-    dst buffer, sequence number, holders, dst piece, itemsize, Box, dst local offsets, dst local
-    sizes, dst local Box).  Regions with a holder in the receiver's domain keep only those holders;
+    ``remote`` are :func:`~.matching.match`'s regions (:class:`~.records.Region`).  Regions with a holder in the receiver's domain keep only those holders;
     the rest are grouped per (source box, receiver domain) and each element needed by several
-    receivers is kept for one carrier only; the others get forwarded copies, tuples like the
-    senders' copies (-bytes, carrier, dst, tensor, offsets, sizes, sequence number, carrier's dst
-    buffer, carrier's local Box, dst buffer, dst local offsets, dst local sizes, Box, dst local Box,
-    (carrier, carrier's dst buffer, tensor, offsets, sizes): the key of the carrier's own copy,
-    unstaged), split to fit the budget exactly as the carrier's copy is.  ``shape_of(rank, dst
+    receivers is kept for one carrier only; the others get forwarded copies
+    (:class:`~.records.ForwardCopy`: from the carrier's destination buffer), split to fit the budget exactly as the carrier's copy is.  ``shape_of(rank, dst
     buffer)``: the buffer's local shape; a forwarded copy contiguous in both destination buffers
     (:func:`~.plan.contiguous`) is *unstaged* (:attr:`~.plan.Message.unstaged`): it goes straight
     from the carrier's tensor into the receiver's, no staging (None: every copy staged)."""
@@ -100,22 +96,23 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
             d = dmap[r] = topo_domain(r)
         return d
 
-    out: list[tuple] = []
+    out: list[Region] = []
     inside: dict[tuple, list] = {}         # (id(holders), domain) -> holders in that domain
     groups: dict[tuple, list] = {}         # (id(holders), domain) -> NIC regions
     forwardable = {n: t["src_dtype"] == t["dst_dtype"] for n, t in tensors.items()}
     append = out.append
     for x in remote:
-        r = x[4]
+        r = x.dst
         d = dmap.get(r)
         if d is None:
             d = dom(r)
-        hk = (id(x[7]), d)
+        holders = x.holders
+        hk = (id(holders), d)
         hin = inside.get(hk)
         if hin is None:
-            hin = inside[hk] = [h for h in x[7] if dom(h[0]) == d]
+            hin = inside[hk] = [h for h in holders if dom(h.rank) == d]
         if hin:
-            append(x if len(hin) == len(x[7]) else x[:7] + (hin,) + x[8:])
+            append(x if len(hin) == len(holders) else x._replace(holders=hin))
         else:
             g = groups.get(hk)
             if g is None:
@@ -124,46 +121,48 @@ def plan_forwarding(remote: list[tuple], topo: Topology, tensors: dict, budget: 
                 g.append(x)
     seq = [len(remote)]
     load: dict[int, int] = defaultdict(int)    # NIC bytes each rank receives so far
-    units: list[list[tuple]] = []              # sets of regions of one box, several receivers each
+    units: list[list[Region]] = []              # sets of regions of one box, several receivers each
     bound = 0
     for group in groups.values():
         if len(group) == 1:             # one receiver of this source box in the domain: nothing to share
-            x = group[0]
-            bound -= x[0]
+            (x,) = group
+            bound -= x.neg_nbytes
             append(x)
-            if forwardable[x[1]]:
-                load[x[4]] -= x[0]
+            if forwardable[x.tensor]:
+                load[x.dst] -= x.neg_nbytes
             continue
         by_box: dict[tuple, list] = {}
         for x in group:
-            by_box.setdefault((x[2], x[3]), []).append(x)
+            by_box.setdefault((x.offsets, x.sizes), []).append(x)
         keys = sorted(by_box)
-        direct = not forwardable[group[0][1]]
+        head = group[0]
+        direct = not forwardable[head.tensor]
         if len(keys) > 1 and not _disjoint(keys):
             if direct:      # the bound only: the regions go as they are
-                bound += sum(a.numel for a, _ in _atoms([Box(o, s) for o, s in keys])) * group[0][9]
+                bound += sum(a.numel for a, _ in atoms([Box(o, s) for o, s in keys])) * head.itemsize
                 out.extend(group)
                 continue
             by_box = _atomize(by_box, keys, seq, to_local)
         for xs in by_box.values():
-            bound += -xs[0][0]
+            first = xs[0]
+            bound += -first.neg_nbytes
             if direct:
                 out.extend(xs)
             elif len(xs) == 1:
-                out.append(xs[0])
-                load[xs[0][4]] += -xs[0][0]
+                out.append(first)
+                load[first.dst] += -first.neg_nbytes
             else:
                 units.append(xs)
-    forwards: list[tuple] = []
-    units.sort(key=lambda xs: (xs[0][0], xs[0][6]))        # largest first, then destination order
+    forwards: list[ForwardCopy] = []
+    units.sort(key=lambda xs: (xs[0].neg_nbytes, xs[0].seq))        # largest first, then destination order
     for xs in units:
-        carrier = min(xs, key=lambda x: (load[x[4]], x[4], x[5], x[6]))
-        load[carrier[4]] += -carrier[0]
+        carrier = min(xs, key=lambda x: (load[x.dst], x.dst, x.dst_buffer, x.seq))
+        load[carrier.dst] += -carrier.neg_nbytes
         out.append(carrier)
         for x in xs:
             if x is carrier:
                 continue
-            if x[4] == carrier[4]:            # the same rank twice: no message to itself, sent directly
+            if x.dst == carrier.dst:            # the same rank twice: no message to itself, sent directly
                 out.append(x)
                 continue
             forwards.extend(_forward_copies(carrier, x, budget, to_local, seq, shape_of))
@@ -175,38 +174,40 @@ def _atomize(by_box: dict, keys: list, seq: list, to_local: ToLocal) -> dict:
     per receiver piece) restricted to it."""
     boxes = [Box(o, s) for o, s in keys]
     out: dict[tuple, list] = {}
-    for atom, idx in _atoms(boxes):
+    for atom, idx in atoms(boxes):
         ao, asz = atom.offsets, atom.sizes
         for i in idx:
             for x in by_box[keys[i]]:
-                isz = x[9]
-                dlo, dls = to_local(x[8], ao, asz)
+                isz = x.itemsize
+                dlo, dls = to_local(x.dst_piece, ao, asz)
                 n = seq[0]
                 seq[0] += 1
-                out.setdefault((ao, asz), []).append((-atom.numel * isz, x[1], ao, asz, x[4], x[5], n, x[7], x[8], isz,
-                                                      atom, dlo, dls, unchecked_box(dlo, dls)))
+                out.setdefault((ao, asz), []).append(Region(-atom.numel * isz, x.tensor, ao, asz, x.dst, x.dst_buffer,
+                                                            n, x.holders, x.dst_piece, isz, atom, dlo, dls,
+                                                            unchecked_box(dlo, dls)))
     return out
 
 
-def _forward_copies(carrier: tuple, x: tuple, budget: int, to_local: ToLocal, seq: list,
-                    shape_of=None) -> list[tuple]:
+def _forward_copies(carrier: Region, x: Region, budget: int, to_local: ToLocal, seq: list,
+                    shape_of=None) -> list[ForwardCopy]:
     """The forwarded copies of region ``x`` from ``carrier`` (same box), split as the carrier's copy
     is; each unstaged where contiguous in both destination buffers (``shape_of`` given)."""
-    isz = x[9]
+    isz = x.itemsize
     limit = max(1, (budget - ALIGN) // isz) * isz
-    boxes = [x[10]] if -x[0] <= limit else split_box(x[10], limit // isz)
-    cshape = shape_of(carrier[4], carrier[5]) if shape_of is not None else None
-    dshape = shape_of(x[4], x[5]) if shape_of is not None else None
+    boxes = [x.box] if -x.neg_nbytes <= limit else split_box(x.box, limit // isz)
+    cshape = shape_of(carrier.dst, carrier.dst_buffer) if shape_of is not None else None
+    dshape = shape_of(x.dst, x.dst_buffer) if shape_of is not None else None
     out = []
     for b in boxes:
         o, s = b.offsets, b.sizes
-        clo, cls = to_local(carrier[8], o, s)
-        dlo, dls = to_local(x[8], o, s)
+        clo, cls = to_local(carrier.dst_piece, o, s)
+        dlo, dls = to_local(x.dst_piece, o, s)
         n = seq[0]
         seq[0] += 1
         direct = cshape is not None and contiguous(cls, cshape) and contiguous(dls, dshape)
-        out.append((-prod(s) * isz, carrier[4], x[4], x[1], o, s, n, carrier[5], unchecked_box(clo, cls), x[5],
-                    dlo, dls, b, unchecked_box(dlo, dls), (carrier[4], carrier[5], x[1], o, s), direct))
+        out.append(ForwardCopy(-prod(s) * isz, carrier.dst, x.dst, x.tensor, o, s, n, carrier.dst_buffer,
+                               unchecked_box(clo, cls), x.dst_buffer, dlo, dls, b, unchecked_box(dlo, dls),
+                               CarrierKey(carrier.dst, carrier.dst_buffer, x.tensor, o, s), direct))
     return out
 
 
@@ -227,7 +228,7 @@ def link_stats(messages, topo: Topology) -> dict:
     return {"nic_bytes": nic, "nvlink_bytes": nvl, "forwarded_bytes": fwd, "unstaged_bytes": direct}
 
 
-def split_unstaged(copies: list[tuple], topo: Topology, tensors: dict, src_shape, dst_shape) -> tuple[list, list]:
+def split_unstaged(copies: list[PendingCopy], topo: Topology, tensors: dict, src_shape, dst_shape) -> tuple[list, list]:
     """(staged copies, unstaged copies) of :func:`~.senders.choose_senders`' copies: a copy inside
     one NVLink domain, of a tensor not cast, contiguous in its source and its destination buffer
     (:func:`~.plan.contiguous`; ``src_shape`` / ``dst_shape``: (rank, buffer) -> local shape) goes
@@ -238,22 +239,22 @@ def split_unstaged(copies: list[tuple], topo: Topology, tensors: dict, src_shape
     shapes: dict[tuple, tuple] = {}
     staged, direct = [], []
     for c in copies:
-        s, d = c[1], c[2]
-        if not same[c[3]] or dom(s) != dom(d):
+        s, d = c.src, c.dst
+        if not same[c.tensor] or dom(s) != dom(d):
             staged.append(c)
             continue
-        ks, kd = (0, s, c[7]), (1, d, c[9])
+        ks, kd = (0, s, c.src_buffer), (1, d, c.dst_buffer)
         ss = shapes.get(ks)
         if ss is None:
-            ss = shapes[ks] = tuple(src_shape(s, c[7]))
+            ss = shapes[ks] = tuple(src_shape(s, c.src_buffer))
         ds = shapes.get(kd)
         if ds is None:
-            ds = shapes[kd] = tuple(dst_shape(d, c[9]))
-        (direct if contiguous(c[8].sizes, ss) and contiguous(c[11], ds) else staged).append(c)
+            ds = shapes[kd] = tuple(dst_shape(d, c.dst_buffer))
+        (direct if contiguous(c.src_local.sizes, ss) and contiguous(c.dst_local_sizes, ds) else staged).append(c)
     return staged, direct
 
 
-def place_unstaged(direct: list[tuple], rounds: int, placed: dict) -> int:
+def place_unstaged(direct: list[PendingCopy], rounds: int, placed: dict) -> int:
     """Unstaged copies (no staging, no budget) spread over the ``rounds`` the staged copies take:
     first fit (largest first) under a per-rank cap of the busiest rank's unstaged bytes (sent +
     received) / ``rounds``, so that each round carries about its share next to its staged bytes
@@ -261,16 +262,16 @@ def place_unstaged(direct: list[tuple], rounds: int, placed: dict) -> int:
     direct.sort()
     need: dict[int, int] = defaultdict(int)
     for c in direct:
-        need[c[1]] -= c[0]
-        need[c[2]] -= c[0]
+        need[c.src] -= c.neg_nbytes
+        need[c.dst] -= c.neg_nbytes
     if not direct:
         return 0
-    cap = max(-(-max(need.values()) // max(rounds, 1)), -direct[0][0])
+    cap = max(-(-max(need.values()) // max(rounds, 1)), -direct[0].neg_nbytes)
     used: dict[int, list[int]] = defaultdict(list)
     first: dict[int, int] = defaultdict(int)      # rank -> rounds before this one are full (to the cap)
     out = 0
     for c in direct:
-        n, s, d = -c[0], c[1], c[2]
+        n, s, d = -c.neg_nbytes, c.src, c.dst
         us, ud = used[s], used[d]
         k = max(first[s], first[d])
         while True:
@@ -300,7 +301,7 @@ NIC_PACE = 1.05
 COPY_SHARE = 4
 
 
-def pack_busiest_first(copies: list[tuple], budget: int, domain=None) -> tuple[dict, dict[int, list[int]], int]:
+def pack_busiest_first(copies: list[PendingCopy], budget: int, domain=None) -> tuple[dict, dict[int, list[int]], int]:
     """Round packing of two-level plans' staged copies: round by round, the copies of the ranks with
     the most staged bytes left go first.  (placed: (round, src, dst) -> copies, per-rank staged
     bytes per round, rounds.)
@@ -335,16 +336,17 @@ def pack_busiest_first(copies: list[tuple], budget: int, domain=None) -> tuple[d
     nic: dict[tuple, bool] = {}        # pair -> across domains
     biggest = 0                         # the largest NIC copy
     for c in sorted(copies):            # largest first (then the sequence order), per pair
-        n = (-c[0] + ALIGN - 1) // ALIGN * ALIGN
-        out_left[c[1]] += n
-        in_left[c[2]] += n
-        p = (c[1], c[2])
+        s, d = c.src, c.dst
+        n = (-c.neg_nbytes + ALIGN - 1) // ALIGN * ALIGN
+        out_left[s] += n
+        in_left[d] += n
+        p = (s, d)
         x = nic.get(p)
         if x is None:
-            x = nic[p] = domain is not None and domain(c[1]) != domain(c[2])
+            x = nic[p] = domain is not None and domain(s) != domain(d)
         if x:
-            nic_out[c[1]] += n
-            nic_in[c[2]] += n
+            nic_out[s] += n
+            nic_in[d] += n
             biggest = max(biggest, n)
         pairs[p].append((n, c))
     # NIC pace: no rank moves more NIC bytes in one direction per round than the busiest NIC rank

@@ -359,10 +359,10 @@ def _alone(src, dst, plan: Fp8Plan, memory: int):
     from mcore_reshard.fp8.groups import _make_groups
     from mcore_reshard.fp8.layout import scale_name
     from mcore_reshard.fp8.regions import plan_regions, restrict
-    from mcore_reshard.core.planner.forms import _number
+    from mcore_reshard.core.planner.forms import layer_number
     out = []
     for _, _, k in plan.groups.instances:
-        names = sorted(n for n in plan.quantized if _number(n) == k)
+        names = sorted(n for n in plan.quantized if layer_number(n) == k)
         lsrc = restrict(src, set(names))
         ldst = restrict(dst, set(names) | {scale_name(n) for n in names})
         regions = plan_regions(lsrc, names, plan.block, ldst)
@@ -466,3 +466,15 @@ def test_a_buffer_of_two_layers_plans_them_together_and_mixed_buffers_are_refuse
         Piece(names[0], Box.full((32, 16)), Box((0, 0), (32, 16))), Piece(g, Box.full((16, 16)), Box((32, 0), (16, 16)))))
     with pytest.raises(PlanError, match=rf"rank 2 buffer mixed holds {g} and {names[0]}, planned apart"):
         make_fp8_plan(src, fp8, (16, 16))
+
+
+def test_an_fp8_plan_offers_the_stored_plan_interface():
+    """Fp8Plan is a StoredPlan (JSON, hash, summary, stats) whose unquantized part is a CopyPlan;
+    its JSON reads back to the same hash."""
+    from mcore_reshard.core.planner import CopyPlan, StoredPlan
+    from mcore_reshard.fp8.plan import Fp8Plan
+    src, dst = _rows_layout()
+    plan = make_fp8_plan(src, fp8_target(dst, {"w.weight"}, (16, 16)), (16, 16))
+    assert isinstance(plan, StoredPlan) and not isinstance(plan, CopyPlan) and isinstance(plan.rest, CopyPlan)
+    again = Fp8Plan.from_json(json.loads(plan.dumps()))
+    assert again.hash == plan.hash and len(plan.hash) == 64 and "FP8 block 16x16" in plan.summary()

@@ -193,13 +193,14 @@ copies_st = st.lists(st.tuples(st.integers(1, 200), st.integers(0, 5), st.intege
 @settings(max_examples=300, deadline=None)
 @given(raw=copies_st, budget=st.integers(208, 400), split=st.booleans())
 def test_fit_copies_places_as_the_python_first_fit(raw, budget, split):
-    # copy tuples (-bytes, src, dst, sequence number), split (sorted first) or not (grouped by
+    # copies (-bytes, src, dst, sequence number, the rest unused), split (sorted first) or not (grouped by
     # (-bytes, src, dst) in sequence order): the same (round, src, dst) -> copies, in the same order
     from mcore_reshard.core.planner import rounds as R
     from mcore_reshard.core.planner.senders import Copies
 
     def make():
-        out = Copies((-n, s, d, i) for i, (n, s, d) in enumerate(raw))
+        from mcore_reshard.core.planner.records import PendingCopy
+        out = Copies(PendingCopy(-n, s, d, "", (), (), i, *[None] * 7) for i, (n, s, d) in enumerate(raw))
         out.split = split
         return out
     got, _, rounds = R._first_fit_runs(make(), budget)

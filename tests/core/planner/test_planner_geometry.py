@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.layout import Buffer, Layout, Piece
 from mcore_reshard.core.planner import make_plan
-from mcore_reshard.core.planner.index import _check_tensors, _source_index
+from mcore_reshard.core.planner.index import _check_tensors, source_index
 from mcore_reshard.core.planner.matching import local_mapper, match
 from mcore_reshard.core.planner.rounds import _pack_rounds
 from mcore_reshard.core.planner.senders import choose_senders
@@ -53,7 +53,7 @@ def stacked_experts(experts=6, rows=4, cols=3, ep=3, tp=4, offset=3, gate_up=Tru
 def reference_regions(src: Layout, dst: Layout) -> list[tuple]:
     """(dst rank, dst buffer, tensor, source box index, offsets, sizes, dst local offsets, dst local
     sizes) of every destination piece against every source box (no windows), in match's order."""
-    index = _source_index(src)
+    index = source_index(src)
     out = []
     for r, bufs in sorted(dst.buffers.items()):
         for bname in sorted(bufs):
@@ -68,7 +68,7 @@ def reference_regions(src: Layout, dst: Layout) -> list[tuple]:
 
 def check_shortcuts(src: Layout, dst: Layout, budget: int) -> None:
     tensors = _check_tensors(src, dst, False, False)
-    index = _source_index(src)
+    index = source_index(src)
     to_local = local_mapper()
     local, remote, _ = match(src, dst, tensors, index, to_local)
     # matching: every region, in order, with its Boxes equal to its tuples

@@ -289,3 +289,24 @@ def test_colocated_stages_one_template_every_guarantee(case):
     src2 = Layout.from_json(json.loads(json.dumps(src.to_json())))
     dst2 = Layout.from_json(json.loads(json.dumps(dst.to_json())))
     assert make_plan(src2, dst2, budget_bytes=budget, templates="always").hash == plan.hash
+
+
+def test_every_plan_kind_offers_the_plan_interface():
+    """A templated plan, its JSON round trip, one rank's part and the copy-by-copy plan all offer
+    what validate_plan and the executor read (CopyPlan); the part carries the whole plan's hash."""
+    from mcore_reshard.core.mesh import Mesh
+    from mcore_reshard.core.planner import CopyPlan, StoredPlan
+    src, dst = Layout(), Layout()
+    for n in range(4):
+        src.add_sharded(f"model.layers.{n}.a", (64, 32), "float32", Mesh.of({"tp": 2}, 0), [("tp", 0)])
+        dst.add_sharded(f"model.layers.{n}.a", (64, 32), "float32", Mesh.of({"dp": 2}, 2))
+    plan = make_plan(src, dst, budget_bytes=4096, templates="always")
+    classic = make_plan(src, dst, budget_bytes=4096, templates=False)
+    part = plan_part(plan, 2)
+    loaded = Plan.from_json(json.loads(plan.dumps()))
+    assert isinstance(plan, TemplatedPlan) and isinstance(loaded, TemplatedPlan)
+    for p in (plan, loaded, part, classic):
+        assert isinstance(p, CopyPlan) and isinstance(p, StoredPlan)
+    assert part.whole is plan and part.hash == plan.hash == loaded.hash
+    assert classic.whole is None
+    assert part.messages and all(2 in (m.src, m.dst) for m in part.messages)

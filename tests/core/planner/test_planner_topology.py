@@ -417,13 +417,19 @@ def test_unstaged_verify_catches_a_corrupt_landing():
     assert torch.equal(parts[-1][1][0][0], checksum(views[0]))
 
 
+def _pending(neg, src, dst, tensor, offsets, sizes, seq):
+    """A PendingCopy with the fields round packing reads (the rest None)."""
+    from mcore_reshard.core.planner.records import PendingCopy
+    return PendingCopy(neg, src, dst, tensor, offsets, sizes, seq, *[None] * 7)
+
+
 def test_pack_busiest_first_by_hand():
     """Round 0: pair 0->2 (rank 0 has 1536 B to move, the most) takes its 1 KiB; 0->3 and 1->2 find
     no room; 1->3 does.  Round 1: the rest.  Every rank within the budget in every round."""
     from mcore_reshard.core.planner.topology import pack_busiest_first
     copies = [(-1024, 0, 2, "a", (), (), 0), (-512, 0, 3, "b", (), (), 1), (-512, 1, 3, "c", (), (), 2),
               (-256, 1, 2, "d", (), (), 3)]
-    placed, used, rounds = pack_busiest_first(copies, 1024)
+    placed, used, rounds = pack_busiest_first([_pending(*c) for c in copies], 1024)
     assert rounds == 2
     assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 2): ["a"], (0, 1, 3): ["c"],
                                                                (1, 0, 3): ["b"], (1, 1, 2): ["d"]}
@@ -439,13 +445,13 @@ def test_pack_busiest_first_shares_the_budget_between_directions():
     the round takes the first pair's largest copy alone, the next round the rest."""
     from mcore_reshard.core.planner.topology import pack_busiest_first
     copies = [(-256, s, 1 - s, f"{s}{i}", (), (), 3 * s + i) for s in (0, 1) for i in range(3)]
-    placed, used, rounds = pack_busiest_first(copies, 1024)
+    placed, used, rounds = pack_busiest_first([_pending(*c) for c in copies], 1024)
     assert rounds == 2
     assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 1): ["00", "01"], (0, 1, 0): ["10", "11"],
                                                                (1, 0, 1): ["02"], (1, 1, 0): ["12"]}
     assert dict(used) == {0: [1024, 512], 1: [1024, 512]}
     copies = [(-1024, 0, 1, "big", (), (), 0), (-256, 1, 0, "small", (), (), 1)]
-    placed, used, rounds = pack_busiest_first(copies, 1024)
+    placed, used, rounds = pack_busiest_first([_pending(*c) for c in copies], 1024)
     assert rounds == 2
     assert {k: [c[3] for c in v] for k, v in placed.items()} == {(0, 0, 1): ["big"], (1, 1, 0): ["small"]}
     assert dict(used) == {0: [1024, 256], 1: [1024, 256]}
