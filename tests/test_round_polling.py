@@ -9,7 +9,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from mcore_reshard.core.executor import rounds
+from mcore_reshard.core.executor import binding, rounds
 
 
 class Work:
@@ -65,7 +65,8 @@ def test_overlapped_round_unpacks_every_receive_once_polling_heads_only(monkeypa
         expect.append(src.view(torch.int32).clone())
         m = NS(entries=[NS(tensor=f"w{k}", box=(), dst_buffer=f"w{k}", nbytes=8, offset=0)], unstaged=False, nbytes=8)
         stage = wire.view(torch.int32)                     # the staging view, typed as the destination
-        recvs.append((peer, wire, [(stage, dst)], m, [(wire, [(stage, dst)])]))
+        pair = binding.Pair(stage, dst)
+        recvs.append(binding.BoundMessage(peer, wire, [pair], m, [binding.Part(wire, [pair])]))
     fake = Dist(payload, arrive_early)
     monkeypatch.setattr(rounds, "dist", fake)
     r = NS(verify=False, rounds=[None], timeout_s=30.0, group=None, waits_block=True, rank=0,

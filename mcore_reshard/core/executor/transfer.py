@@ -44,14 +44,15 @@ class LocalCopies:
             return False
         j, size = k, 0
         while j < len(local) and (j == k or size < common._LOCAL_SLICE):
-            size += local[j][2].nbytes
+            size += local[j].copy.nbytes
             j += 1
         sel = local[k:j]
         self.k = j
-        copy_all([d for d, _, _ in sel], [s if s.shape == d.shape else s.reshape(d.shape) for d, s, _ in sel])
+        copy_all([x.dst for x in sel], [x.src if x.src.shape == x.dst.shape else x.src.reshape(x.dst.shape) for x in sel])
         if self.r.verify:
-            for d, s, c in sel:
-                if d.dtype == s.dtype and not torch.equal(checksum(d), checksum(s)):
+            for x in sel:
+                c = x.copy
+                if x.dst.dtype == x.src.dtype and not torch.equal(checksum(x.dst), checksum(x.src)):
                     self.problems.append(f"local copy of {c.tensor}{c.box} into buffer {c.dst_buffer} differs from the source")
                     self.bad.add(c.dst_buffer)
         return self.k < len(local)
@@ -73,8 +74,8 @@ def transfer(r, v: int, problems: list[str]) -> dict:
     without a version; the local copies are still finished first (they need no peer)."""
     src_sums = {n: checksum(t) for n, t in r.src.items()} if r.verify else {}
     stage_begin(r, -1)
-    for view, _ in r.padding:
-        view.zero_()
+    for pad in r.padding:
+        pad.view.zero_()
     bad_buffers: set = set()
     local = LocalCopies(r, problems, bad_buffers)
 
@@ -84,7 +85,7 @@ def transfer(r, v: int, problems: list[str]) -> dict:
 
     sent = nmsg = direct = 0
     run_round = round_overlapped if r.overlapped() else round_batched
-    if r.rounds and any(m.forward for *_, m, _ in r.rounds[0].sends):
+    if r.rounds and any(x.message.forward for x in r.rounds[0].sends):
         # a forwarded send (two-level plans) packs destination views, which the local copies may
         # write: those copies must be done before its round is packed
         local.drain()
@@ -102,10 +103,10 @@ def transfer(r, v: int, problems: list[str]) -> dict:
         r._dirty = False
         stage_end(r, i, v)
         nmsg += len(rnd.sends)
-        for _, b, _, m, _ in rnd.sends:
-            sent += b.numel()
-            if m.unstaged:
-                direct += sum(c.nbytes for c in m.entries)
+        for x in rnd.sends:
+            sent += x.buf.numel()
+            if x.message.unstaged:
+                direct += sum(c.nbytes for c in x.message.entries)
     if not r.rounds:
         local_done()
     changed = sorted(n for n, t in r.src.items() if not torch.equal(checksum(t), src_sums[n])) if r.verify else []
