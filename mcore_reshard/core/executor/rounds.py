@@ -7,7 +7,8 @@ Both take ``background``: a callable that does one slice of other work (the refi
 its bytes are on the wire and it would otherwise wait, so the wire never idles behind local
 copies.  The time spent in it extends the round's deadline (a wait is never cut short by it).
 
-Each function takes the bound :class:`~.resharder.Resharder` ``r`` (group, timeout, verify, rounds)."""
+Each function takes the refit's :class:`~.transfer.RefitState` ``r`` and only reads it (group,
+timeout, verify, rounds; the batched path keeps its schedules in ``r.chunk_cache``)."""
 from __future__ import annotations
 
 import os
@@ -115,12 +116,13 @@ def round_error(r, v: int, i: int, rnd: Round, label: str, e: BaseException, wai
     return TransferError(
         f"refit {v}: round {i + 1}/{len(r.rounds)} of this rank (plan round {r.round_numbers[i]}) on rank "
         f"{r.rank} {what}; this round sends to ranks {rnd.send_peers} and receives from ranks {rnd.recv_peers}; "
-        f"destination buffers incomplete here: {sum(1 for x in r._buffer_version.values() if x is None)}; "
+        f"destination buffers incomplete here: {sum(1 for x in r.buffer_version.values() if x is None)}; "
         f"cause: {type(e).__name__}: {str(e)[:300]}", version=v, round=i + 1, peers=peers)
 
 
 class _Clock:
-    """A round's deadline: its start + ``timeout``, pushed back by the time spent in background work."""
+    """A round's deadline: its start + ``timeout``, pushed back by the time spent in background work
+    (``r``: the :class:`~.transfer.RefitState`)."""
 
     def __init__(self, r, v, i, rnd, background):
         self.r, self.v, self.i, self.rnd, self.bg = r, v, i, rnd, background
@@ -233,23 +235,27 @@ def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> li
     return out
 
 
+def chunk_schedule(rnd: Round, verify: bool) -> list[list[ChunkOp]]:
+    """The groups of a round on the batched path: each a list of :class:`ChunkOp`, receives first."""
+    groups: list[list] = []
+    for is_send, side in ((True, rnd.sends), (False, rnd.recvs)):
+        for msg in side:
+            for k, g in enumerate(chunk_ops(msg.message, msg.buf, msg.parts, not is_send, verify)):
+                while len(groups) <= k:
+                    groups.append([])
+                groups[k] += [ChunkOp(is_send, msg.peer, c.wire, msg, c.kind, c.what) for c in g]
+    for g in groups:
+        g.sort(key=lambda op: op.is_send)
+    return groups
+
+
 def _schedule(r, i: int, rnd: Round) -> list[list[ChunkOp]]:
-    """The groups of round ``i`` on the batched path (cached on ``r`` per round and verify): each a
-    list of :class:`ChunkOp`, receives first."""
-    cache = r.__dict__.setdefault("_chunk_cache", {})
+    """:func:`chunk_schedule` of round ``i``, kept in ``r.chunk_cache`` per round and verify."""
     key = (i, r.verify)
-    if key not in cache:
-        groups: list[list] = []
-        for is_send, side in ((True, rnd.sends), (False, rnd.recvs)):
-            for msg in side:
-                for k, g in enumerate(chunk_ops(msg.message, msg.buf, msg.parts, not is_send, r.verify)):
-                    while len(groups) <= k:
-                        groups.append([])
-                    groups[k] += [ChunkOp(is_send, msg.peer, c.wire, msg, c.kind, c.what) for c in g]
-        for g in groups:
-            g.sort(key=lambda op: op.is_send)
-        cache[key] = groups
-    return cache[key]
+    groups = r.chunk_cache.get(key)
+    if groups is None:
+        groups = r.chunk_cache[key] = chunk_schedule(rnd, r.verify)
+    return groups
 
 
 def _prepare(r, op: ChunkOp) -> None:
