@@ -63,8 +63,10 @@ class RefitState:
         self.group, self.timeout_s, self.waits_block = group, timeout_s, waits_block
 
     def attach(self, binding: Binding, src: dict) -> None:
-        """Refit through ``binding`` (views of ``src`` and the destinations) from now on."""
+        """Refit through ``binding`` (views of ``src`` and the destinations) from now on; the chunk
+        schedules of the previous binding (views of the storage it bound) are dropped."""
         self.binding, self.src = binding, src
+        self.chunk_cache.clear()
 
     def settled(self) -> None:
         """The group is fresh (after a rebind): nothing of an interrupted refit is pending on it."""
