@@ -91,6 +91,22 @@ def defects(rank: int, world: int) -> dict:
     res["src_rebound"]["exact"] = same_bits(cut(dst, rank, new_full, 0), D)
     dist.barrier()
 
+    # 2b: both sides rebound after a refit on the batched path (overlap=False), whose per-round
+    # chunk schedules hold views: the next refit reads / writes the new storage
+    S, D = _params(cut(src, rank, full)), _params(cut(dst, rank, full, fill=7))
+    r = Resharder(plan, S, D, timeout=20, overlap=False)
+    r.refit()
+    old_D = {n: p.data for n, p in D.items()}
+    for n, p in S.items():
+        p.data = new_S[n].clone()
+    for n, p in D.items():
+        p.data = torch.full_like(p.data, 3.0)
+    res["rebound_batched"] = outcome(lambda: r.refit()["version"])
+    res["rebound_batched"].update(exact=same_bits(cut(dst, rank, new_full, 0), {n: p.data for n, p in D.items()}),
+                                  old_storage_kept=same_bits(cut(dst, rank, full, 0), old_D),
+                                  rounds=len(r.rounds))
+    dist.barrier()
+
     # 1b: rebound to another shape (rank 1 only): refused on every rank before a byte moves
     S, D = cut(src, rank, full), _params(cut(dst, rank, full, fill=7))
     r = Resharder(plan, S, D, timeout=20)

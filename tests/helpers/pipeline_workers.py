@@ -138,7 +138,7 @@ def dies_in_later_chunk(rank: int, world: int, victim: int, at_call: int, timeou
     S, D = materialize(src, rank, full), materialize(dst, rank, full, fill=float("nan"))
     r = Resharder(plan, S, D, timeout=timeout, overlap=False)
     r.refit()
-    info = {"rank": rank, "groups_round1": len(rounds_mod._schedule(r, 0, r.rounds[0])) if r.rounds else 0,
+    info = {"rank": rank, "groups_round1": len(rounds_mod.chunk_schedule(r.rounds[0], r.verify)) if r.rounds else 0,
             "first_plan_round": r.round_numbers[0] if r.rounds else None, "rounds": len(r.rounds)}
     calls = [0]
     orig = dist.batch_isend_irecv

@@ -43,8 +43,9 @@ Units (no cycles; each imports only those above it):
 * :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
 * :mod:`.owners` -- the tensor objects bound and their storage, checked at each refit (``param.data`` rebound);
 * :mod:`.rounds` -- the batched (chunked, pipelined) and overlapped round paths, pack / unpack;
-* :mod:`.transfer` -- one refit: start, rounds with the local copies overlapped, version bookkeeping, confirmation;
-* :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state.
+* :mod:`.transfer` -- :class:`~.transfer.Refit`, the one object owning a binding's refit state (versions, interruption,
+  pending operations), whose methods are a refit's steps: start, rounds with the local copies overlapped, confirmation;
+* :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state (delegating refits to its :class:`~.transfer.Refit`).
 """
 from __future__ import annotations
 

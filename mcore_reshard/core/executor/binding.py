@@ -3,7 +3,7 @@ and unpacks into, and the stage at which each destination buffer is first / last
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -12,22 +12,60 @@ from . import common
 from .common import _CS_BYTES, torch_dtype
 
 
-@dataclass
+class Pair(NamedTuple):
+    """A copy's two views on one end of a message: ``stage`` in the staging slice (an unstaged
+    message: the wire bytes of ``tensor`` itself) and ``tensor`` in this rank's tensor."""
+    stage: torch.Tensor
+    tensor: torch.Tensor
+
+
+class Part(NamedTuple):
+    """One point-to-point operation of a message (:func:`parts`): the tensor on the wire and the
+    pairs it packs / unpacks (none: it goes straight from / into the tensor; a :class:`Trailer`:
+    an unstaged message's checksums)."""
+    wire: torch.Tensor
+    pairs: list
+
+
+class BoundMessage(NamedTuple):
+    """A send or receive of a :class:`Round`: the plan's ``message`` bound to this rank's staging
+    slice ``buf`` and tensor views (``pairs``, one per entry), moved as ``parts``; ``peer``: the
+    other end."""
+    peer: int
+    buf: torch.Tensor
+    pairs: list          # [Pair], one per entry of the message
+    message: object      # the plan's Message
+    parts: list          # [Part]
+
+
+class LocalCopy(NamedTuple):
+    """A copy whose both ends are on this rank: ``dst.copy_(src)`` (views) for the plan's ``copy``."""
+    dst: torch.Tensor
+    src: torch.Tensor
+    copy: object
+
+
+class Padding(NamedTuple):
+    """A region of destination buffer ``buffer`` that no copy writes (zeroed every refit)."""
+    view: torch.Tensor
+    buffer: str
+
+
+@dataclass(slots=True, eq=False)
 class Round:
-    """One round of one rank: its sends and receives, each ``(peer, staging slice, [(staging view,
-    tensor view)], message, parts (:func:`parts`))`` (an unstaged message: ``[(wire view, tensor
-    view)]`` and :func:`unstaged_parts`), and the peers it sends to / receives from."""
+    """One round of one rank: its sends and receives (:class:`BoundMessage`) and the peers it
+    sends to / receives from."""
     sends: list
     recvs: list
     send_peers: list = field(default_factory=list)
     recv_peers: list = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Binding:
     """Everything :class:`Resharder.refit` touches, fixed at bind time (addresses never change)."""
-    local: list          # (dst view, src view, copy)
-    padding: list        # (dst view, buffer name)
+    local: list          # LocalCopy
+    padding: list        # Padding
     staging: torch.Tensor
     rounds: list         # Round, in plan-round order (only rounds this rank takes part in)
     round_numbers: list  # the plan round number of each
@@ -69,16 +107,22 @@ class Trailer(list):
     the entries themselves went straight into the tensors, so they are checked where they landed."""
 
 
+class Check(NamedTuple):
+    """One entry of a :class:`Trailer`: its checksum ``slot`` and the tensor view it sums."""
+    slot: torch.Tensor
+    tensor: torch.Tensor
+
+
 def unstaged_parts(m, buf: torch.Tensor, views: list, verify: bool) -> tuple[list, list]:
     """(pairs, parts) of an unstaged message: one operation per entry, straight from / into its
     (contiguous, checked at bind) tensor view, then with ``verify`` the checksum trailer
     (:class:`Trailer`) in the message's staging slice ``buf``."""
     wires = [t.reshape(-1).view(torch.uint8) for t in views]
-    pairs = list(zip(wires, views))
-    parts = [(w, []) for w in wires]
+    pairs = [Pair(w, t) for w, t in zip(wires, views)]
+    parts = [Part(w, []) for w in wires]
     if verify:
-        parts.append((buf, Trailer((buf[_CS_BYTES * j:_CS_BYTES * (j + 1)].view(torch.int64), t)
-                                   for j, t in enumerate(views))))
+        parts.append(Part(buf, Trailer(Check(buf[_CS_BYTES * j:_CS_BYTES * (j + 1)].view(torch.int64), t)
+                                       for j, t in enumerate(views))))
     return pairs, parts
 
 
@@ -114,7 +158,7 @@ def parts(m, buf: torch.Tensor, pairs: list, verify: bool) -> list:
     view as usual.  Staging stays reserved for every entry (staging accounting unchanged;
     direct entries just leave theirs untouched).  With ``verify`` (checksum trailer) or
     entries not laid out in order: the whole message as one staged operation."""
-    whole = [(buf, pairs)]
+    whole = [Part(buf, pairs)]
     if verify or not pairs:
         return whole
     at = 0
@@ -130,41 +174,42 @@ def parts(m, buf: torch.Tensor, pairs: list, verify: bool) -> list:
         if group:
             lo = group[0][0].offset
             hi = group[-1][0].offset + group[-1][0].nbytes
-            out.append((buf[lo:hi], [p for _, p in group]))
+            out.append(Part(buf[lo:hi], [p for _, p in group]))
             group.clear()
 
     direct_min = common._DIRECT_MIN
-    for c, (stage, t) in zip(m.entries, pairs):
+    for c, pair in zip(m.entries, pairs):
         if c.nbytes < direct_min:
-            group.append((c, (stage, t)))
+            group.append((c, pair))
             continue
         flush()
-        if t.is_contiguous() and t.dtype == stage.dtype and t.numel() * t.element_size() == c.nbytes:
-            out.append((t.reshape(-1).view(torch.uint8), []))
+        t = pair.tensor
+        if t.is_contiguous() and t.dtype == pair.stage.dtype and t.numel() * t.element_size() == c.nbytes:
+            out.append(Part(t.reshape(-1).view(torch.uint8), []))
         else:
-            out.append((buf[c.offset:c.offset + c.nbytes], [(stage, t)]))
+            out.append(Part(buf[c.offset:c.offset + c.nbytes], [pair]))
     flush()
     return out
 
 
-def _entry(plan: Plan, peer: int, m, buf: torch.Tensor, views: list, verify: bool) -> tuple:
-    """A send or receive of :class:`Round`: ``(peer, staging slice, pairs, message, parts)`` of
-    message ``m`` whose entries are ``views`` of this rank's tensors."""
+def _entry(plan: Plan, peer: int, m, buf: torch.Tensor, views: list, verify: bool) -> BoundMessage:
+    """A send or receive of :class:`Round`: message ``m`` whose entries are ``views`` of this
+    rank's tensors, bound to the staging slice ``buf``."""
     if m.unstaged:
         pairs, ps = unstaged_parts(m, buf, views, verify)
     else:
-        pairs = [(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
+        pairs = [Pair(staging_view(plan, buf, c), t) for c, t in zip(m.entries, views)]
         ps = parts(m, buf, pairs, verify)
-    return peer, buf, pairs, m, ps
+    return BoundMessage(peer, buf, pairs, m, ps)
 
 
 def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], *,
          verify: bool, staging: torch.Tensor | None, device: torch.device, dst_names) -> Binding:
     """Views, staging and stage bookkeeping of ``plan`` on ``rank`` (tensors already validated).
     ``staging``: a shared uint8 buffer used when large enough; ``dst_names``: this rank's buffers."""
-    local = [(region(plan, dst[c.dst_buffer], c, c.dst_local), region(plan, src[c.src_buffer], c, c.src_local), c)
+    local = [LocalCopy(region(plan, dst[c.dst_buffer], c, c.dst_local), region(plan, src[c.src_buffer], c, c.src_local), c)
              for c in plan.local_copies if c.dst == rank]
-    padding = [(dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == rank]
+    padding = [Padding(dst[b][box.slices()], b) for rr, b, box in plan.padding if rr == rank]
     rounds_of = per_round(plan, rank)
     # ONE staging buffer per rank: in each round its front holds the messages this rank sends,
     # the rest the messages it receives (the plan keeps send + receive <= budget per round)
@@ -183,10 +228,10 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
         first.setdefault(name, stage)
         last[name] = stage
 
-    for _, b in padding:
-        touch(b, -1)
-    for _, _, c in local:
-        touch(c.dst_buffer, -1)
+    for pad in padding:
+        touch(pad.buffer, -1)
+    for lc in local:
+        touch(lc.copy.dst_buffer, -1)
     for k in sorted(rounds_of):
         sends, recvs = rounds_of[k]
         rnd = Round([], [])

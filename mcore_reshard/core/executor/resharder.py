@@ -1,5 +1,6 @@
 """The :class:`Resharder`: binds a plan to this rank's tensors once (validation + handshake), then
-each ``refit()`` moves the bytes; keeps versions, interruptions and the group (``rebind``)."""
+each ``refit()`` moves the bytes through its :class:`~.transfer.Refit` (which owns the versions,
+interruptions and pending state); ``rebind`` changes the group."""
 from __future__ import annotations
 
 import datetime
@@ -16,7 +17,7 @@ from .common import check_timeout, group_device, group_timeout, waits_block
 from .errors import ReshardError
 from .handshake import agree, group_guard
 from .owners import Owners, describe, is_dtensor, record, storage_of
-from .transfer import run_refit
+from .transfer import Refit
 from .validation import check_aliasing, check_arguments, check_binding, member_rank, own_part
 
 
@@ -91,19 +92,18 @@ class Resharder:
         self._owners = Owners([record(side, n, owner, have[n]) for side, given, have in
                                (("src", src, self.src), ("dst", dst, self.dst))
                                for n, owner in dict(given).items() if isinstance(owner, torch.Tensor)])
-        self.version = 0                   # last refit version confirmed complete
         # a templated plan is bound through this rank's own part, made from its templates alone (no
         # other rank's copies are ever made here); its hash, what the handshake compares, is the whole plan's
         self._part, errors = own_part(plan, self.rank)
         errors += self._intake_errors(src, dst, staging)
-        self._buffer_version: dict[str, int | None] = {} if errors else {
+        buffer_version: dict[str, int | None] = {} if errors else {
             n: None for n in self._part.buffers["dst"].get(self.rank, {})}
-        self._interrupted: dict | None = None
-        self._sources_changed = False
-        self._dirty = False                # an interrupted refit may have left operations pending on the group
         # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
         # every refit's start and confirmation carry it; the bound plan is not to be changed
         self._digest = plan.hash
+        # what refits read and change (versions, interruption, pending operations), and their steps
+        self._refit = Refit(self.rank, self.verify, self.confirm, self._digest, buffer_version,
+                            self.group, self.timeout_s, self.waits_block, src=self.src)
         # the binding id: rank 0's random token, agreed in the handshake; every refit start
         # compares it, so two Resharders over one group can never exchange each other's bytes
         errors = errors or self._validate()
@@ -116,7 +116,17 @@ class Resharder:
         with group_guard(group, self.rank, "bind a Resharder"):
             msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s,
                          token=int.from_bytes(os.urandom(8), "little"), settle=True)
-        self._token = msgs[0]["token"]
+        self._refit.token = msgs[0]["token"]
+
+    @property
+    def version(self) -> int:
+        """The last refit version confirmed complete (0: none yet)."""
+        return self._refit.version
+
+    @property
+    def _token(self) -> int:
+        """The binding id (rank 0's random token, agreed in the handshake)."""
+        return self._refit.token
 
     def _set_timeout(self) -> None:
         """The timeout and what the rounds look up once per group (not once per operation)."""
@@ -162,10 +172,10 @@ class Resharder:
     def _bind(self, staging=None) -> None:
         b = bind(self._part, self.rank, self.src, self.dst, verify=self.verify,
                  staging=self._shared_staging if staging is None else staging,
-                 device=self._device(), dst_names=list(self._buffer_version))
+                 device=self._device(), dst_names=list(self._refit.buffer_version))
         self.local, self.padding, self.staging = b.local, b.padding, b.staging
         self.rounds, self.round_numbers = b.rounds, b.round_numbers
-        self._first_stage, self._last_stage = b.first_stage, b.last_stage
+        self._refit.attach(b, self.src)
 
     def _device(self) -> torch.device:
         for t in list(self.dst.values()) + list(self.src.values()):
@@ -221,6 +231,7 @@ class Resharder:
         self.group = group
         self.world = dist.get_world_size(group)
         self._set_timeout()
+        self._refit.use_group(group, self.timeout_s, self.waits_block)
         errors = errors or self._validate()
         with group_guard(group, self.rank, "rebind"):
             msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s, token=self._token,
@@ -229,7 +240,7 @@ class Resharder:
         if len(tokens) > 1:
             raise ReshardError(f"rank {self.rank}: rebind refused: ranks rebind different Resharders "
                                f"(binding ids {[f'{t:016x}' for t in tokens]})")
-        self._dirty = False
+        self._refit.settled()
 
     # ------------------------------------------------------------------ state
 
@@ -242,16 +253,7 @@ class Resharder:
              "buffers": {"w": 3, ...},    # refit version each destination buffer fully holds
              "incomplete": []}            # buffers holding no complete version (None above)
         """
-        info = self._interrupted or {}
-        return {
-            "version": self.version,
-            "interrupted": self._interrupted is not None,
-            "interrupted_version": info.get("version"),
-            "failed_round": info.get("round"),
-            "error": info.get("error"),
-            "buffers": dict(self._buffer_version),
-            "incomplete": sorted(n for n, v in self._buffer_version.items() if v is None),
-        }
+        return self._refit.snapshot()
 
     # ------------------------------------------------------------------ refit
 
@@ -280,7 +282,8 @@ class Resharder:
                                     or not 0 <= version < 1 << 63):
             raise ValueError(f"version={version!r}: must be an integer in [0, 2**63) (or None)")
         with group_guard(self.group, self.rank, "refit"), torch.no_grad():
-            return run_refit(self, version, refusal)
+            return self._refit.run(version, refusal, follow=self.follow_owners, options=self._options,
+                                   overlapped=self.overlapped)
 
     def overlapped(self) -> bool:
         """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.

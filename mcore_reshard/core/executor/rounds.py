@@ -7,18 +7,20 @@ Both take ``background``: a callable that does one slice of other work (the refi
 its bytes are on the wire and it would otherwise wait, so the wire never idles behind local
 copies.  The time spent in it extends the round's deadline (a wait is never cut short by it).
 
-Each function takes the bound :class:`~.resharder.Resharder` ``r`` (group, timeout, verify, rounds)."""
+Each function takes the refit's :class:`~.transfer.RefitState` ``r`` and only reads it (group,
+timeout, verify, rounds; the batched path keeps its schedules in ``r.chunk_cache``)."""
 from __future__ import annotations
 
 import os
 import time
 from collections import deque
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import common
-from .binding import Round, Trailer
+from .binding import BoundMessage, Round, Trailer
 from .checksum import checksum
 from .common import _CS_BYTES, bounded_wait
 from .errors import TransferError, is_closed, is_timeout
@@ -47,14 +49,14 @@ def pack(r, buf: torch.Tensor, pairs: list, m, idx=None) -> None:
     """Copy the source views of message ``m`` into their staging views (+ checksums with verify):
     every pair, or the entries ``idx`` of the message's full ``pairs``."""
     if isinstance(pairs, Trailer):      # an unstaged message's checksums: of its source views
-        for slot, t in pairs:
-            slot.copy_(checksum(t))
+        for check in pairs:
+            check.slot.copy_(checksum(check.tensor))
         return
     sel = range(len(pairs)) if idx is None else idx
-    copy_all([pairs[j][0] for j in sel], [pairs[j][1] for j in sel])
+    copy_all([pairs[j].stage for j in sel], [pairs[j].tensor for j in sel])
     if r.verify:
         for j in sel:
-            buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(checksum(pairs[j][1]))
+            buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64).copy_(checksum(pairs[j].tensor))
 
 
 def unpack(r, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: list[str], bad_buffers: set,
@@ -67,10 +69,10 @@ def unpack(r, i: int, peer: int, buf: torch.Tensor, pairs: list, m, problems: li
     n = len(r.rounds)
     sel = range(len(pairs)) if idx is None else idx
     if not r.verify:
-        copy_all([pairs[j][1] for j in sel], [pairs[j][0].view(pairs[j][1].shape) for j in sel])
+        copy_all([pairs[j].tensor for j in sel], [pairs[j].stage.view(pairs[j].tensor.shape) for j in sel])
         return
     for j in sel:
-        stage, d = pairs[j]
+        stage, d = pairs[j].stage, pairs[j].tensor
         c = m.entries[j]
         want = buf[m.nbytes + _CS_BYTES * j:m.nbytes + _CS_BYTES * (j + 1)].view(torch.int64)
         if not torch.equal(checksum(stage), want):
@@ -91,11 +93,12 @@ def check_unstaged(r, i: int, rnd: Round, problems: list[str], bad_buffers: set)
     the source view (the message's :class:`~.binding.Trailer`); a mismatch marks the buffer bad."""
     if not r.verify:
         return
-    for peer, _, _, m, ps in rnd.recvs:
+    for recv in rnd.recvs:
+        m, peer = recv.message, recv.peer
         if not m.unstaged:
             continue
-        for c, (slot, d) in zip(m.entries, ps[-1][1]):
-            if not torch.equal(checksum(d), slot):
+        for c, check in zip(m.entries, recv.parts[-1].pairs):
+            if not torch.equal(checksum(check.tensor), check.slot):
                 problems.append(f"round {i + 1}/{len(r.rounds)}: {c.tensor}{c.box} from rank {peer} (unstaged, "
                                 f"received straight into buffer {c.dst_buffer}) differs from what rank {peer} sent")
                 bad_buffers.add(c.dst_buffer)
@@ -113,12 +116,13 @@ def round_error(r, v: int, i: int, rnd: Round, label: str, e: BaseException, wai
     return TransferError(
         f"refit {v}: round {i + 1}/{len(r.rounds)} of this rank (plan round {r.round_numbers[i]}) on rank "
         f"{r.rank} {what}; this round sends to ranks {rnd.send_peers} and receives from ranks {rnd.recv_peers}; "
-        f"destination buffers incomplete here: {sum(1 for x in r._buffer_version.values() if x is None)}; "
+        f"destination buffers incomplete here: {sum(1 for x in r.buffer_version.values() if x is None)}; "
         f"cause: {type(e).__name__}: {str(e)[:300]}", version=v, round=i + 1, peers=peers)
 
 
 class _Clock:
-    """A round's deadline: its start + ``timeout``, pushed back by the time spent in background work."""
+    """A round's deadline: its start + ``timeout``, pushed back by the time spent in background work
+    (``r``: the :class:`~.transfer.RefitState`)."""
 
     def __init__(self, r, v, i, rnd, background):
         self.r, self.v, self.i, self.rnd, self.bg = r, v, i, rnd, background
@@ -165,10 +169,29 @@ def windows(n: int) -> list[tuple[int, int]]:
     return out or [(0, 0)]
 
 
-def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> list[list]:
+class Chunk(NamedTuple):
+    """One operation of a message on the batched path: the tensor on the wire and what it packs /
+    unpacks: ``kind`` "pairs" (``what``: :class:`~.binding.Pair` list of its own) or "idx" (``what``:
+    indices of entries of the message's full pairs)."""
+    wire: torch.Tensor
+    kind: str
+    what: list
+
+
+class ChunkOp(NamedTuple):
+    """A :class:`Chunk` of a send or receive of the round, as one operation of a group."""
+    is_send: bool
+    peer: int
+    wire: torch.Tensor
+    msg: BoundMessage
+    kind: str
+    what: list
+
+
+def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> list[list[Chunk]]:
     """Message ``m``'s operations on the batched path, grouped by window (:func:`windows`): one
-    list per group, of ``(wire tensor, ("pairs", pairs) | ("idx", entry indices))`` (group k of every
-    message of the round goes in the round's k-th ``batch_isend_irecv``).
+    list of :class:`Chunk` per group (group k of every message of the round goes in the round's
+    k-th ``batch_isend_irecv``).
 
     Split into :func:`~.binding.parts` (entries >= ``_DIRECT_MIN`` their own operation, straight from
     / into a contiguous view when this end's view allows it; the pairs of a part are what it packs /
@@ -181,21 +204,21 @@ def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> li
     if m.unstaged:      # one operation per entry, in the window of its offset; the trailer with the last
         wins, k = windows(m.nbytes), 0
         out = [[] for _ in wins]
-        for c, (w, pp) in zip(m.entries, parts):
+        for c, part in zip(m.entries, parts):
             while k + 1 < len(wins) and c.offset >= wins[k][1]:
                 k += 1
-            out[k].append((w, ("pairs", pp)))
-        out[k] += [(w, ("pairs", pp)) for w, pp in parts[len(m.entries):]]
+            out[k].append(Chunk(part.wire, "pairs", part.pairs))
+        out[k] += [Chunk(part.wire, "pairs", part.pairs) for part in parts[len(m.entries):]]
         return [g for g in out if g]
     wins = windows(buf.numel())
-    if not verify and not (len(parts) == 1 and parts[0][0] is buf):
+    if not verify and not (len(parts) == 1 and parts[0].wire is buf):
         out: list[list] = [[] for _ in wins]
         at, k = 0, 0
-        for w, pp in parts:
+        for part in parts:
             while k + 1 < len(wins) and at >= wins[k][1]:
                 k += 1
-            out[k].append((w, ("pairs", pp)))
-            at += w.numel()
+            out[k].append(Chunk(part.wire, "pairs", part.pairs))
+            at += part.wire.numel()
         return [g for g in out if g]
     order = sorted(range(len(m.entries)), key=lambda j: m.entries[j].offset)
     out, done = [], 0
@@ -208,48 +231,51 @@ def chunk_ops(m, buf: torch.Tensor, parts: list, recv: bool, verify: bool) -> li
         else:
             sel = [j for j in order[done:] if m.entries[j].offset < hi]
         done += len(sel)
-        out.append([(buf[lo:hi], ("idx", sel))])
+        out.append([Chunk(buf[lo:hi], "idx", sel)])
     return out
 
 
-def _schedule(r, i: int, rnd: Round) -> list:
-    """The groups of round ``i`` on the batched path (cached on ``r`` per round and verify): each a
-    list of ``(is_send, peer, wire, message tuple, what to pack / unpack)``, receives first."""
-    cache = r.__dict__.setdefault("_chunk_cache", {})
+def chunk_schedule(rnd: Round, verify: bool) -> list[list[ChunkOp]]:
+    """The groups of a round on the batched path: each a list of :class:`ChunkOp`, receives first."""
+    groups: list[list] = []
+    for is_send, side in ((True, rnd.sends), (False, rnd.recvs)):
+        for msg in side:
+            for k, g in enumerate(chunk_ops(msg.message, msg.buf, msg.parts, not is_send, verify)):
+                while len(groups) <= k:
+                    groups.append([])
+                groups[k] += [ChunkOp(is_send, msg.peer, c.wire, msg, c.kind, c.what) for c in g]
+    for g in groups:
+        g.sort(key=lambda op: op.is_send)
+    return groups
+
+
+def _schedule(r, i: int, rnd: Round) -> list[list[ChunkOp]]:
+    """:func:`chunk_schedule` of round ``i``, kept in ``r.chunk_cache`` per round and verify."""
     key = (i, r.verify)
-    if key not in cache:
-        groups: list[list] = []
-        for is_send, side in ((True, rnd.sends), (False, rnd.recvs)):
-            for msg in side:
-                peer, buf, _, m, parts = msg
-                for k, g in enumerate(chunk_ops(m, buf, parts, not is_send, r.verify)):
-                    while len(groups) <= k:
-                        groups.append([])
-                    groups[k] += [(is_send, peer, w, msg, what) for w, what in g]
-        for g in groups:
-            g.sort(key=lambda op: op[0])
-        cache[key] = groups
-    return cache[key]
+    groups = r.chunk_cache.get(key)
+    if groups is None:
+        groups = r.chunk_cache[key] = chunk_schedule(rnd, r.verify)
+    return groups
 
 
-def _prepare(r, op) -> None:
+def _prepare(r, op: ChunkOp) -> None:
     """Pack what a send operation carries (nothing for a receive or a direct part)."""
-    is_send, _, _, (_, buf, pairs, m, _), (kind, what) = op
-    if is_send and what:
-        if kind == "idx":
-            pack(r, buf, pairs, m, what)
+    if op.is_send and op.what:
+        msg = op.msg
+        if op.kind == "idx":
+            pack(r, msg.buf, msg.pairs, msg.message, op.what)
         else:
-            pack(r, buf, what, m)
+            pack(r, msg.buf, op.what, msg.message)
 
 
-def _land(r, i: int, op, problems: list[str], bad_buffers: set) -> None:
+def _land(r, i: int, op: ChunkOp, problems: list[str], bad_buffers: set) -> None:
     """Unpack what a received operation carried."""
-    is_send, peer, w, (_, buf, pairs, m, _), (kind, what) = op
-    if not is_send and what:
-        if kind == "idx":
-            unpack(r, i, peer, buf, pairs, m, problems, bad_buffers, what)
+    if not op.is_send and op.what:
+        msg = op.msg
+        if op.kind == "idx":
+            unpack(r, i, op.peer, msg.buf, msg.pairs, msg.message, problems, bad_buffers, op.what)
         else:
-            unpack(r, i, peer, w, what, m, problems, bad_buffers)
+            unpack(r, i, op.peer, op.wire, op.what, msg.message, problems, bad_buffers)
 
 
 def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set, background=None) -> None:
@@ -277,8 +303,8 @@ def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffer
             _prepare(r, op)
         label = "posting the round"
         try:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if s else dist.irecv, w, group=r.group, group_peer=p)
-                                            for s, p, w, *_ in g])
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.is_send else dist.irecv, op.wire, group=r.group,
+                                                       group_peer=op.peer) for op in g])
         except Exception as e:  # noqa: BLE001 - posting failed (peer gone before or during the round)
             raise clock.error(label, e) from e
         return g, works
@@ -286,7 +312,7 @@ def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffer
     def finish(g, works):
         if len(works) == len(g):
             for op, work in zip(g, works):
-                clock.wait(work, f"{'sending to' if op[0] else 'receiving from'} rank {op[1]}")
+                clock.wait(work, f"{'sending to' if op.is_send else 'receiving from'} rank {op.peer}")
                 _land(r, i, op, problems, bad_buffers)
             return
         for work in works:   # a coalescing backend (NCCL): one work for the group
@@ -304,6 +330,14 @@ def round_batched(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffer
     clock.idle_until(prev[1])
     finish(*prev)
     check_unstaged(r, i, rnd, problems, bad_buffers)
+
+
+class PartOp(NamedTuple):
+    """One operation of the overlapped path: a :class:`~.binding.Part` of a message to / from ``peer``."""
+    peer: int
+    wire: torch.Tensor
+    pairs: list
+    message: object
 
 
 def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buffers: set, background=None) -> None:
@@ -326,14 +360,14 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
     (its start + ``timeout`` + the time spent in background work) and fails with the same
     :class:`TransferError` (round, peers, what it was waiting for) as the batched path."""
     clock = _Clock(r, v, i, rnd, background)
-    # one operation per part, in plan order: (peer, wire tensor, pairs, message)
-    sends = [(peer, w, pp, m) for peer, _, _, m, parts in rnd.sends for w, pp in parts]
-    recvs = [(peer, w, pp, m) for peer, _, _, m, parts in rnd.recvs for w, pp in parts]
-    ops = [dist.P2POp(dist.irecv, w, group=r.group, group_peer=peer) for peer, w, *_ in recvs]
+    # one operation per part, in plan order
+    sends = [PartOp(x.peer, p.wire, p.pairs, x.message) for x in rnd.sends for p in x.parts]
+    recvs = [PartOp(x.peer, p.wire, p.pairs, x.message) for x in rnd.recvs for p in x.parts]
+    ops = [dist.P2POp(dist.irecv, op.wire, group=r.group, group_peer=op.peer) for op in recvs]
     if sends:
-        peer, w, pairs, m = sends[0]
-        pack(r, w, pairs, m)
-        ops.append(dist.P2POp(dist.isend, w, group=r.group, group_peer=peer))
+        op = sends[0]
+        pack(r, op.wire, op.pairs, op.message)
+        ops.append(dist.P2POp(dist.isend, op.wire, group=r.group, group_peer=op.peer))
     if not ops:
         return
     label = "posting the round"
@@ -343,11 +377,11 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
             raise RuntimeError(f"batch_isend_irecv returned {len(works)} work(s) for {len(ops)} operation(s) "
                                "(a coalescing backend: use overlap=False)")
         recv_works = works[:len(recvs)]
-        send_works = [(works[-1], f"sending to rank {sends[0][0]}")] if sends else []
-        for peer, w, pairs, m in sends[1:]:
-            pack(r, w, pairs, m)
-            label = f"sending to rank {peer}"
-            send_works.append((dist.isend(w, group=r.group, group_dst=peer), label))
+        send_works = [(works[-1], f"sending to rank {sends[0].peer}")] if sends else []
+        for op in sends[1:]:
+            pack(r, op.wire, op.pairs, op.message)
+            label = f"sending to rank {op.peer}"
+            send_works.append((dist.isend(op.wire, group=r.group, group_dst=op.peer), label))
     except TransferError:
         raise
     except Exception as e:  # noqa: BLE001 - posting failed (peer gone before or during the round)
@@ -355,8 +389,8 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
     # a peer's receives complete in the order they were posted (gloo matches a pair's messages in
     # order), so only the oldest pending receive of each peer is polled
     queues: dict[int, deque] = {}
-    for k, (peer, *_) in enumerate(recvs):
-        queues.setdefault(peer, deque()).append(k)
+    for k, op in enumerate(recvs):
+        queues.setdefault(op.peer, deque()).append(k)
     while any(queues.values()):
         batch = []
         for q in queues.values():
@@ -366,11 +400,11 @@ def round_overlapped(r, v: int, i: int, rnd: Round, problems: list[str], bad_buf
             if clock.idle():
                 continue
             k = min(q[0] for q in queues.values() if q)     # nothing has arrived: wait for the next in plan order
-            batch = [queues[recvs[k][0]].popleft()]
+            batch = [queues[recvs[k].peer].popleft()]
         for k in sorted(batch):
-            peer, w, pairs, m = recvs[k]
-            clock.wait(recv_works[k], f"receiving from rank {peer}")
-            unpack(r, i, peer, w, pairs, m, problems, bad_buffers)
+            op = recvs[k]
+            clock.wait(recv_works[k], f"receiving from rank {op.peer}")
+            unpack(r, i, op.peer, op.wire, op.pairs, op.message, problems, bad_buffers)
     check_unstaged(r, i, rnd, problems, bad_buffers)
     while clock.idle():
         pass

@@ -2,7 +2,7 @@
 and its part of the plan (:func:`check_binding` returns the problems, each naming tensor and rank)."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -110,6 +110,16 @@ def touch_same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((sa[k.clamp(min=0)] + ea > sb)[ok].any())
 
 
+class _Span(NamedTuple):
+    """The bytes ``[lo, hi)`` a bound tensor can touch, on its device (sorted by device, then start)."""
+    device: str
+    index: int | None
+    lo: int
+    hi: int
+    side: str      # "src", "dst" or "staging"
+    name: str
+
+
 def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                    staging: torch.Tensor | None = None) -> list[str]:
     """A destination tensor (or the staging buffer) that shares memory with a source tensor, or
@@ -120,21 +130,22 @@ def check_aliasing(rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[str,
         for name, t in tensors.items():
             if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
                 lo, hi = _span(t)
-                spans.append((t.device.type, t.device.index, lo, hi, side, name))
+                spans.append(_Span(t.device.type, t.device.index, lo, hi, side, name))
     spans.sort()
     errors = []
 
-    def tensor(x):
-        return staging if x[4] == "staging" else (src if x[4] == "src" else dst)[x[5]]
+    def tensor(x: _Span):
+        return staging if x.side == "staging" else (src if x.side == "src" else dst)[x.name]
 
     for i, a in enumerate(spans):
         for b in spans[i + 1:]:
-            if b[:2] != a[:2] or b[2] >= a[3]:
+            if (b.device, b.index) != (a.device, a.index) or b.lo >= a.hi:
                 break
-            if {"dst", "staging"} & {a[4], b[4]} and touch_same_bytes(tensor(a), tensor(b)):
-                x, y = sorted([a, b], key=lambda t: ({"src": 0, "dst": 1}.get(t[4], 2), t[5]))
-                errors.append(f"rank {rank}: {x[4]} tensor {x[5]} and {y[4]} {'buffer' if y[4] == 'staging' else 'tensor ' + y[5]} "
-                              "share memory; a refit would " + ("overwrite the source weights" if x[4] == "src" else "write both"))
+            if {"dst", "staging"} & {a.side, b.side} and touch_same_bytes(tensor(a), tensor(b)):
+                x, y = sorted([a, b], key=lambda t: ({"src": 0, "dst": 1}.get(t.side, 2), t.name))
+                errors.append(f"rank {rank}: {x.side} tensor {x.name} and {y.side} "
+                              f"{'buffer' if y.side == 'staging' else 'tensor ' + y.name} "
+                              "share memory; a refit would " + ("overwrite the source weights" if x.side == "src" else "write both"))
         if len(errors) >= 8:
             break
     return errors

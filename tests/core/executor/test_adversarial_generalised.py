@@ -50,6 +50,18 @@ def test_src_param_data_rebound_after_binding_is_followed(defects):
         assert o["exact"], rank                    # the destination holds the new source's bytes
 
 
+def test_param_data_rebound_after_a_batched_refit_is_followed(defects):
+    """The batched path keeps each round's chunk schedule (views) between refits: after both
+    sides' ``param.data`` were rebound, the next refit moves the new sources into the new
+    destinations and leaves the storage the parameters left as the first refit wrote it."""
+    assert any(r["rebound_batched"]["rounds"] for r in defects)      # the batched rounds ran at all
+    for rank, r in enumerate(defects):
+        o = r["rebound_batched"]
+        assert o["type"] is None and o["result"] == 2, (rank, o)
+        assert o["exact"], rank
+        assert o["old_storage_kept"], rank
+
+
 def test_rebound_to_another_shape_refused_on_every_rank(defects):
     _refused_everywhere(defects, "dst_rebound_other_shape", text=("was rebound after binding", "rank 1"))
     assert all(r["dst_rebound_other_shape"]["state"] == 0 for r in defects)

@@ -4,12 +4,13 @@ each peer's oldest pending receive only -- O(receives + peers) ``is_completed`` 
 pending receive per step (BENCHMARKS.md C.3: ~500 receives per rank made that quadratic)."""
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 import torch
 
-from mcore_reshard.core.executor import rounds
+from mcore_reshard.core.box import Box
+from mcore_reshard.core.executor import binding, rounds
+from mcore_reshard.core.executor.transfer import RefitState
+from mcore_reshard.core.planner import Copy, Message
 
 
 class Work:
@@ -63,14 +64,19 @@ def test_overlapped_round_unpacks_every_receive_once_polling_heads_only(monkeypa
         payload[id(wire)] = src
         dests.append(dst)
         expect.append(src.view(torch.int32).clone())
-        m = NS(entries=[NS(tensor=f"w{k}", box=(), dst_buffer=f"w{k}", nbytes=8, offset=0)], unstaged=False, nbytes=8)
+        box = Box((0,), (2,))
+        c = Copy(tensor=f"w{k}", box=box, src=peer, src_buffer=f"w{k}", src_local=box, dst=0, dst_buffer=f"w{k}",
+                 dst_local=box, nbytes=8, offset=0)
+        m = Message(round=1, src=peer, dst=0, nbytes=8, entries=(c,))
         stage = wire.view(torch.int32)                     # the staging view, typed as the destination
-        recvs.append((peer, wire, [(stage, dst)], m, [(wire, [(stage, dst)])]))
+        pair = binding.Pair(stage, dst)
+        recvs.append(binding.BoundMessage(peer, wire, [pair], m, [binding.Part(wire, [pair])]))
     fake = Dist(payload, arrive_early)
     monkeypatch.setattr(rounds, "dist", fake)
-    r = NS(verify=False, rounds=[None], timeout_s=30.0, group=None, waits_block=True, rank=0,
-           round_numbers=[1], _buffer_version={})
-    rnd = NS(sends=[], recvs=recvs, send_peers=[], recv_peers=list(range(1, peers + 1)))
+    rnd = binding.Round([], recvs, [], list(range(1, peers + 1)))
+    r = RefitState(rank=0, verify=False, confirm=True, digest="", buffer_version={}, group=None, timeout_s=30.0,
+                   waits_block=True, binding=binding.Binding(local=[], padding=[], staging=torch.empty(0, dtype=torch.uint8),
+                                                             rounds=[rnd], round_numbers=[1], first_stage={}, last_stage={}))
     Work.polls = 0
     problems, bad = [], set()
     rounds.round_overlapped(r, 1, 0, rnd, problems, bad)

@@ -407,7 +407,7 @@ def test_unstaged_verify_catches_a_corrupt_landing():
     assert [p[0].numel() for p in parts[:-1]] == [c.nbytes for c in m.entries] and parts[-1][0] is buf
     rounds.pack(SimpleNamespace(verify=True), buf, parts[-1][1], m)      # the sender's checksums
     r = SimpleNamespace(verify=True, rounds=[None])
-    rnd = binding.Round([], [(m.src, buf, pairs, m, parts)])
+    rnd = binding.Round([], [binding.BoundMessage(m.src, buf, pairs, m, parts)])
     problems, bad_buffers = [], set()
     rounds.check_unstaged(r, 0, rnd, problems, bad_buffers)
     assert problems == [] and bad_buffers == set()
