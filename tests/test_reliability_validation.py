@@ -162,7 +162,7 @@ def test_megatron_meshes_rejects_exactly_what_megatron_rejects():
     from megatron.core.parallel_state import RankGenerator
 
     orders = ["-".join(p) for p in itertools.permutations(["tp", "cp", "ep", "dp", "pp"])] + ["tp-dp-pp", "tp-pp", "tp-ep-dp"]
-    checked = agree_reject = 0
+    agree_accept = agree_reject = 0
     for order in orders:
         for tp, cp, pp, ep, etp, mult in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4), (1, 2), (1, 2)):
             world = tp * cp * pp * mult * 2
@@ -181,9 +181,10 @@ def test_megatron_meshes_rejects_exactly_what_megatron_rejects():
             except ValueError:
                 ours = False
             assert ours == ok, (order, tp, cp, pp, ep, etp, world)
-            checked += 1
+            agree_accept += ok
             agree_reject += not ok
-    assert checked > 10000 and agree_reject > 3000, (checked, agree_reject)
+    # both outcomes occur often (Megatron's verdicts, not this loop's size: 6987 accepted, 3345 rejected)
+    assert agree_accept > 6000 and agree_reject > 3000, (agree_accept, agree_reject)
 
 
 def test_config_diff_names_every_disagreement():
