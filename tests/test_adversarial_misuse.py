@@ -145,35 +145,51 @@ def test_item10_missing_peer_named():
 # --------------------------------------------------------------------------------- in-process
 
 
-def test_item9_shapes_placements_and_plans_refused_in_process():
-    from mcore_reshard.core.box import Box
+@pytest.mark.parametrize("shape", [(2.5, 4), (-1, 4), ("8", 4), (True, 4), 7], ids=repr)
+def test_item9_bad_shape_refused_in_process(shape):
+    from mcore_reshard.core.layout import Layout, LayoutError
+    with pytest.raises(LayoutError, match="shape"):
+        Layout().add_tensor("w", shape, "float32")
+
+
+def test_item9_dtypes_and_placements_refused_in_process():
     from mcore_reshard.core.layout import Layout, LayoutError, shard_box
     from mcore_reshard.core.mesh import Mesh
     from mcore_reshard.core.dtensor import local_intervals
-    from mcore_reshard.core.executor.common import check_timeout
     from torch.distributed.tensor import Shard
 
-    lay = Layout()
-    for shape in ((2.5, 4), (-1, 4), ("8", 4), (True, 4), 7):
-        with pytest.raises(LayoutError, match="shape"):
-            lay.add_tensor("w", shape, "float32")
     with pytest.raises(LayoutError, match="unknown dtype"):
-        lay.add_tensor("w", (2, 2), "float33")
+        Layout().add_tensor("w", (2, 2), "float33")
     with pytest.raises(LayoutError, match="out of range"):
         shard_box((4, 4), Mesh.of({"tp": 2}), 0, [("tp", 2)])
     with pytest.raises(ValueError, match="out of range"):
         local_intervals((4, 4), [2], [0], [Shard(3)])
-    for box in (((0.5, 0), (2, 2)), ((0, 0), (2.0, 2))):
-        with pytest.raises(ValueError, match="integers"):
-            Box(*box)
-    for bad in (0, -1, math.nan, math.inf, "5", True, [1]):
-        with pytest.raises(ValueError, match="timeout="):
-            check_timeout(bad)
+
+
+@pytest.mark.parametrize("box", [((0.5, 0), (2, 2)), ((0, 0), (2.0, 2))], ids=repr)
+def test_item9_fractional_box_refused_in_process(box):
+    from mcore_reshard.core.box import Box
+    with pytest.raises(ValueError, match="integers"):
+        Box(*box)
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "5", True, [1]], ids=repr)
+def test_item9_bad_timeout_refused_in_process(bad):
+    from mcore_reshard.core.executor.common import check_timeout
+    with pytest.raises(ValueError, match="timeout="):
+        check_timeout(bad)
+
+
+def test_item9_good_timeouts_accepted_in_process():
+    from mcore_reshard.core.executor.common import check_timeout
     assert check_timeout(None) is None and check_timeout(2) == 2.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, "4096", 100, 4096.0], ids=repr)
+def test_item9_bad_budget_refused_in_process(bad):
     from mcore_reshard.refit import MegatronRefit
-    for bad in (math.nan, math.inf, "4096", 100, 4096.0):
-        with pytest.raises(ValueError, match="budget_bytes="):
-            MegatronRefit([], [], budget_bytes=bad)
+    with pytest.raises(ValueError, match="budget_bytes="):
+        MegatronRefit([], [], budget_bytes=bad)
 
 
 def test_nccl_host_side_deadline_and_abort(monkeypatch):
