@@ -43,7 +43,7 @@ def non_lethal():
 
 
 @pytest.mark.parametrize("k", range(len(CASES)), ids=[f"{s}-{k}-rank{v}" for s, k, v in CASES])
-def test_non_lethal_fault(non_lethal, k):
+def test_non_lethal_faults_at_every_stage(non_lethal, k):
     stage, kind, victim = CASES[k]
     for rank in range(3):
         o = non_lethal[k][rank]

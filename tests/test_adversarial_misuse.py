@@ -145,51 +145,67 @@ def test_item10_missing_peer_named():
 # --------------------------------------------------------------------------------- in-process
 
 
-@pytest.mark.parametrize("shape", [(2.5, 4), (-1, 4), ("8", 4), (True, 4), 7], ids=repr)
-def test_item9_bad_shape_refused_in_process(shape):
-    from mcore_reshard.core.layout import Layout, LayoutError
-    with pytest.raises(LayoutError, match="shape"):
-        Layout().add_tensor("w", shape, "float32")
+def _shape(shape):
+    from mcore_reshard.core.layout import Layout
+    Layout().add_tensor("w", shape, "float32")
 
 
-def test_item9_dtypes_and_placements_refused_in_process():
-    from mcore_reshard.core.layout import Layout, LayoutError, shard_box
+def _dtype():
+    from mcore_reshard.core.layout import Layout
+    Layout().add_tensor("w", (2, 2), "float33")
+
+
+def _placement():
+    from mcore_reshard.core.layout import shard_box
     from mcore_reshard.core.mesh import Mesh
+    shard_box((4, 4), Mesh.of({"tp": 2}), 0, [("tp", 2)])
+
+
+def _dtensor_dim():
     from mcore_reshard.core.dtensor import local_intervals
     from torch.distributed.tensor import Shard
-
-    with pytest.raises(LayoutError, match="unknown dtype"):
-        Layout().add_tensor("w", (2, 2), "float33")
-    with pytest.raises(LayoutError, match="out of range"):
-        shard_box((4, 4), Mesh.of({"tp": 2}), 0, [("tp", 2)])
-    with pytest.raises(ValueError, match="out of range"):
-        local_intervals((4, 4), [2], [0], [Shard(3)])
+    local_intervals((4, 4), [2], [0], [Shard(3)])
 
 
-@pytest.mark.parametrize("box", [((0.5, 0), (2, 2)), ((0, 0), (2.0, 2))], ids=repr)
-def test_item9_fractional_box_refused_in_process(box):
+def _box(box):
     from mcore_reshard.core.box import Box
-    with pytest.raises(ValueError, match="integers"):
-        Box(*box)
+    Box(*box)
 
 
-@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "5", True, [1]], ids=repr)
-def test_item9_bad_timeout_refused_in_process(bad):
+def _timeout(bad):
     from mcore_reshard.core.executor.common import check_timeout
-    with pytest.raises(ValueError, match="timeout="):
-        check_timeout(bad)
+    check_timeout(bad)
+
+
+def _budget(bad):
+    from mcore_reshard.refit import MegatronRefit
+    MegatronRefit([], [], budget_bytes=bad)
+
+
+# (id, call, error type, message match), each a refusal before anything is exchanged
+IN_PROCESS_REFUSALS = (
+    [(f"shape={v!r}", lambda v=v: _shape(v), "LayoutError", "shape") for v in ((2.5, 4), (-1, 4), ("8", 4), (True, 4), 7)]
+    + [("dtype=float33", _dtype, "LayoutError", "unknown dtype"),
+       ("placement-dim-2-of-2", _placement, "LayoutError", "out of range"),
+       ("dtensor-Shard(3)-of-2-dims", _dtensor_dim, "ValueError", "out of range")]
+    + [(f"box={v!r}", lambda v=v: _box(v), "ValueError", "integers") for v in (((0.5, 0), (2, 2)), ((0, 0), (2.0, 2)))]
+    + [(f"timeout={v!r}", lambda v=v: _timeout(v), "ValueError", "timeout=")
+       for v in (0, -1, math.nan, math.inf, "5", True, [1])]
+    + [(f"budget_bytes={v!r}", lambda v=v: _budget(v), "ValueError", "budget_bytes=")
+       for v in (math.nan, math.inf, "4096", 100, 4096.0)])
+
+
+@pytest.mark.parametrize("case", IN_PROCESS_REFUSALS, ids=[c[0] for c in IN_PROCESS_REFUSALS])
+def test_item9_shapes_placements_and_plans_refused_in_process(case):
+    from mcore_reshard.core.layout import LayoutError
+    _, call, error, match = case
+    with pytest.raises({"LayoutError": LayoutError, "ValueError": ValueError}[error], match=match):
+        call()
 
 
 def test_item9_good_timeouts_accepted_in_process():
     from mcore_reshard.core.executor.common import check_timeout
     assert check_timeout(None) is None and check_timeout(2) == 2.0
-
-
-@pytest.mark.parametrize("bad", [math.nan, math.inf, "4096", 100, 4096.0], ids=repr)
-def test_item9_bad_budget_refused_in_process(bad):
-    from mcore_reshard.refit import MegatronRefit
-    with pytest.raises(ValueError, match="budget_bytes="):
-        MegatronRefit([], [], budget_bytes=bad)
 
 
 def test_nccl_host_side_deadline_and_abort(monkeypatch):
