@@ -178,7 +178,8 @@ def test_megatron_meshes_rejects_exactly_what_megatron_rejects():
             try:
                 megatron_meshes(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
                 ours = True
-            except ValueError:
+            except ValueError as e:     # a refusal names the order it refuses (not an internal ValueError)
+                assert f"order {order!r}" in str(e), (order, tp, cp, pp, ep, etp, world, str(e))
                 ours = False
             assert ours == ok, (order, tp, cp, pp, ep, etp, world)
             agree_accept += ok
