@@ -162,7 +162,7 @@ def test_megatron_meshes_rejects_exactly_what_megatron_rejects():
     from megatron.core.parallel_state import RankGenerator
 
     orders = ["-".join(p) for p in itertools.permutations(["tp", "cp", "ep", "dp", "pp"])] + ["tp-dp-pp", "tp-pp", "tp-ep-dp"]
-    checked = agree_reject = 0
+    agree_accept = agree_reject = 0
     for order in orders:
         for tp, cp, pp, ep, etp, mult in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4), (1, 2), (1, 2)):
             world = tp * cp * pp * mult * 2
@@ -178,12 +178,14 @@ def test_megatron_meshes_rejects_exactly_what_megatron_rejects():
             try:
                 megatron_meshes(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
                 ours = True
-            except ValueError:
+            except ValueError as e:     # a refusal names the order it refuses (not an internal ValueError)
+                assert f"order {order!r}" in str(e), (order, tp, cp, pp, ep, etp, world, str(e))
                 ours = False
             assert ours == ok, (order, tp, cp, pp, ep, etp, world)
-            checked += 1
+            agree_accept += ok
             agree_reject += not ok
-    assert checked > 10000 and agree_reject > 3000, (checked, agree_reject)
+    # both outcomes occur often (Megatron's verdicts, not this loop's size: 6987 accepted, 3345 rejected)
+    assert agree_accept > 6000 and agree_reject > 3000, (agree_accept, agree_reject)
 
 
 def test_config_diff_names_every_disagreement():

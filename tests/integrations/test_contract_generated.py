@@ -7,8 +7,8 @@ Every case is its own test and must be ``refused`` (the library's own error type
 ValueError / TypeError naming the argument, before a destination byte changed) or ``ok`` (a
 correct result: bit-exact destination, a plan that validates).  A raw KeyError / IndexError /
 AttributeError or torch error, a refusal after bytes changed, or a wrong result fails it.  The
-Resharder cases run in one 2-rank gloo launch; ``test_zz_counts`` prints the outcome counts per
-API (the table in RELIABILITY.md, "Generated contract suite").
+Resharder cases run in one 2-rank gloo launch; the ``counts`` fixture prints the outcome counts per
+API once the module has run (the table in RELIABILITY.md, "Generated contract suite").
 """
 from __future__ import annotations
 
@@ -20,12 +20,18 @@ import pytest
 import contract_cases as cc
 from partial_launch import spawn_ok
 
-COUNTS: dict = {}
+@pytest.fixture(scope="module")
+def counts(request):
+    """``counts(api, verdict)`` tallies one case's verdict; the tally is printed once the module has run."""
+    tally: dict = {}
 
-
-def _count(api: str, verdict: str) -> None:
-    COUNTS.setdefault(api, {}).setdefault(verdict, 0)
-    COUNTS[api][verdict] += 1
+    def count(api: str, verdict: str) -> None:
+        tally.setdefault(api, {}).setdefault(verdict, 0)
+        tally[api][verdict] += 1
+    yield count
+    if tally:
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print("\ngenerated contract suite:", json.dumps(tally, sort_keys=True))
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +41,11 @@ def resharder_results():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", cc.RESHARDER_TABLE, ids=lambda c: "-".join(c))
-def test_resharder(resharder_results, case):
+def test_resharder(resharder_results, counts, case):
     api, arg, kind = case
     key = "|".join(case)
     verdicts = {cc.judge(r[key], arg) for r in resharder_results}
-    _count(api, "/".join(sorted(verdicts)))
+    counts(api, "/".join(sorted(verdicts)))
     assert "DEFECT" not in verdicts, [r[key] for r in resharder_results]
     assert len(verdicts) == 1, ("ranks disagree", [r[key] for r in resharder_results])
 
@@ -74,7 +80,7 @@ def _plan_value(arg, kind, src, dst):
 
 
 @pytest.mark.parametrize("case", PLAN_ARGS, ids=lambda c: "-".join(c))
-def test_make_plan(case):
+def test_make_plan(counts, case):
     from mcore_reshard.core.planner import make_plan, validate_plan
     arg, kind = case
     src, dst = _layouts()
@@ -88,7 +94,7 @@ def test_make_plan(case):
         return plan.rounds
     o = cc.record(run)
     verdict = cc.judge(o, arg)
-    _count("make_plan", verdict)
+    counts("make_plan", verdict)
     assert verdict != "DEFECT", o
 
 
@@ -108,7 +114,7 @@ JSON_CASES = _json_cases()
 
 
 @pytest.mark.parametrize("case", JSON_CASES, ids=lambda c: "-".join(c))
-def test_plan_from_json(case):
+def test_plan_from_json(counts, case):
     from mcore_reshard.core.planner import Plan, make_plan
     field, kind = case
     src, dst = _layouts()
@@ -148,7 +154,7 @@ def test_plan_from_json(case):
             o = {"type": "PlanError", "error": "validate_plan: " + problems["result"][0]}
     # only the library's own error (PlanError) counts as the parser's refusal
     verdict = {"PlanError": "refused", None: "ok"}.get(o["type"], "DEFECT")
-    _count("Plan.from_json", verdict)
+    counts("Plan.from_json", verdict)
     assert verdict != "DEFECT", (case, o)
 
 
@@ -157,17 +163,13 @@ MR_CASES = ([("budget_bytes", k) for k in ("nan", "inf", "negative", "string", "
 
 
 @pytest.mark.parametrize("case", MR_CASES, ids=lambda c: "-".join(c))
-def test_megatron_refit_numbers(case):
+def test_megatron_refit_numbers(counts, case):
     from mcore_reshard.refit import MegatronRefit
     arg, kind = case
     value = {"nan": math.nan, "inf": math.inf, "negative": -1, "zero": 0, "string": "5", "bool": True,
              "float": 4096.0, "none": None}[kind]
     o = cc.record(lambda: MegatronRefit([], [], **{arg: value}) and None)
     verdict = cc.judge(o, arg)
-    _count("MegatronRefit", verdict)
+    counts("MegatronRefit", verdict)
     assert verdict == "refused", o
 
-
-def test_zz_counts(capsys):
-    with capsys.disabled():
-        print("\ngenerated contract suite:", json.dumps(COUNTS, sort_keys=True))

@@ -110,24 +110,34 @@ def test_cases_cover_the_space():
     assert any(c["shape"][0] % prod(c["src"]["mesh"][0]) for c in CASES)      # uneven shards
 
 
-def test_every_destination_equals_torch(results):
-    for i, case in enumerate(CASES):
-        rows = [r[i] for r in results]
-        assert all(row["ok"] for row in rows), (case, rows)
-        assert all(row.get("full_ok", True) for row in rows), (case, rows)
-        assert all(row.get("redistribute_ok", True) for row in rows), (case, rows)
+def _case_id(i: int, c: dict) -> str:
+    return f"{i:02d}-{c['dtype']}-{'x'.join(map(str, c['shape'])) or 'scalar'}"
 
 
-def test_bytes_equal_the_lower_bound(results):
-    for i, case in enumerate(CASES):
-        rows = [r[i] for r in results]
-        needed = sum(row["needed"] for row in rows)
-        assert rows[0]["network"] == rows[0]["lower_bound"] == needed, (case, rows)
+by_case = pytest.mark.parametrize("i", range(len(CASES)), ids=[_case_id(i, c) for i, c in enumerate(CASES)])
 
 
-def test_second_call_reuses_the_binding(results):
-    for i, case in enumerate(CASES):
-        assert all(r[i]["reused"] == [False, True] or r[i]["reused"] == [True, True] for r in results), case
+@by_case
+def test_every_destination_equals_torch(results, i):
+    case, rows = CASES[i], [r[i] for r in results]
+    assert all(row["ok"] for row in rows), (case, rows)
+    assert all(row.get("full_ok", True) for row in rows), (case, rows)
+    assert all(row.get("redistribute_ok", True) for row in rows), (case, rows)
+
+
+@by_case
+def test_bytes_equal_the_lower_bound(results, i):
+    case, rows = CASES[i], [r[i] for r in results]
+    needed = sum(row["needed"] for row in rows)
+    assert rows[0]["network"] == rows[0]["lower_bound"] == needed, (case, rows)
+
+
+@by_case
+def test_second_call_reuses_the_binding(results, i):
+    assert all(r[i]["reused"] == [False, True] or r[i]["reused"] == [True, True] for r in results), CASES[i]
+
+
+def test_first_call_binds(results):
     assert all(r[0]["reused"] == [False, True] for r in results)
 
 

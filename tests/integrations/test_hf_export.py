@@ -153,6 +153,8 @@ def test_refused_config_raises_on_every_rank_before_writing(exported):
     i = next(i for i, c in enumerate(CASES) if c["id"] == "dsv3_refused")
     for r in results:
         err = r[i]["error"]
+        # every rank: the library's own collective refusal, carrying the HFConfigError that names the setting
+        assert err.startswith("ReshardError: export_hf: reading the model failed: ") and "HFConfigError" in err, err
         assert "experts_scored_per_group=1" in err and "moe_router_topk = 2 * moe_router_group_topk" in err, err
     assert not os.path.exists(os.path.join(root, CASES[i]["id"]))
 

@@ -94,19 +94,33 @@ def check_case(results, case, spec):
             assert res["logits_max_diff"] <= tol, res["logits_max_diff"]
 
 
-def test_export_dtensors_over_megatron_global_tensors():
+DTENSOR_CASES = [{"model": "dsv3", "src": {"tp": 2, "ep": 2, "etp": 2}, "kw": {"mtp": True}},
+                 {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "kw": {"mtp": True}}]
+
+
+@pytest.fixture(scope="module")
+def dtensor_export_results():
+    """One 4-rank launch for both layouts: per rank, per case, what ``dtensor_export`` checked."""
+    return spawn(megatron_refit_worker.dtensor_export, 4, DTENSOR_CASES, timeout=400)
+
+
+@pytest.mark.parametrize("case", range(len(DTENSOR_CASES)), ids=["dsv3 TP2 EP2 ETP2", "dsv3 TP2 PP2"])
+def test_export_dtensors_over_megatron_global_tensors(dtensor_export_results, case):
     """Every non-expert tensor exports as a DTensor whose full_tensor() equals the independent
     reference; SequentialMLP experts (one local tensor per expert) are reported inexpressible."""
-    cases = [{"model": "dsv3", "src": {"tp": 2, "ep": 2, "etp": 2}, "kw": {"mtp": True}},
-             {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "kw": {"mtp": True}}]
-    results = spawn(megatron_refit_worker.dtensor_export, 4, cases, timeout=400)
-    for case in range(len(cases)):
-        for res in results:
-            r = res[case]
-            assert all(".experts.experts." in k for k in r["inexpressible"]), r["inexpressible"]
-            assert r["checked"] == r["dtensors"] > 20
-        placements = results[0][0]["placements"]
-        assert placements["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == ["R", "R", "_S(0, 2)"]
-        assert placements["decoder.layers.1.self_attention.linear_proj.weight"] == ["R", "R", "S(1)"]
+    results = dtensor_export_results
+    for res in results:
+        r = res[case]
+        assert all(".experts.experts." in k for k in r["inexpressible"]), r["inexpressible"]
+        assert r["checked"] == r["dtensors"] > 20
+
+
+def test_export_dtensors_placements(dtensor_export_results):
+    placements = dtensor_export_results[0][0]["placements"]     # TP2 EP2 ETP2, rank 0
+    assert placements["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == ["R", "R", "_S(0, 2)"]
+    assert placements["decoder.layers.1.self_attention.linear_proj.weight"] == ["R", "R", "S(1)"]
+
+
+def test_export_dtensors_pp2_embedding_spans_the_whole_mesh(dtensor_export_results):
     # PP2: the embedding also lives on the last stage (MTP): one DTensor over the whole mesh
-    assert results[0][1]["placements"]["embedding.word_embeddings.weight"] == ["R", "R", "R", "S(0)"]
+    assert dtensor_export_results[0][1]["placements"]["embedding.word_embeddings.weight"] == ["R", "R", "R", "S(0)"]

@@ -44,28 +44,34 @@ def test_synthetic_two_level_refit_counts_match_the_plan():
     assert len({o["result"]["hash"] for o in results.values()}) == 1
 
 
+TWO_LEVEL_CASES = [{"model": "gqa", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 1}, "kw": {}},
+                   {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 1, "ep": 2, "etp": 1}, "kw": {"mtp": True},
+                    "budget": 1 << 16}]
+
+
+@pytest.fixture(scope="module")
+def two_level_results():
+    """One 4-rank launch for both models: per rank, per case, the counts of the two-level refit."""
+    return spawn(topology_workers.megatron_two_level, 4, TWO_LEVEL_CASES, timeout=600)
+
+
 @pytest.mark.megatron
-def test_megatron_two_level_refit_is_bit_exact_with_fewer_nic_bytes():
+@pytest.mark.parametrize("case", range(len(TWO_LEVEL_CASES)), ids=["gqa TP2 PP2 -> TP1", "dsv3 TP2 PP2 -> TP1 EP2"])
+def test_megatron_two_level_refit_is_bit_exact_with_fewer_nic_bytes(two_level_results, case):
     from test_megatron_refit import check_case
-    cases = [{"model": "gqa", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 1}, "kw": {}},
-             {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "dst": {"tp": 1, "ep": 2, "etp": 1}, "kw": {"mtp": True},
-              "budget": 1 << 16}]
-    results = spawn(topology_workers.megatron_two_level, 4, cases, timeout=600)
-    for case, spec in enumerate(cases):
-        check_case(results, case, spec)
-        per_rank = [r[case] for r in results]
-        assert len({r["hash"] for r in per_rank}) == 1
-        for r in per_rank:
-            assert r["bytes_sent"] == r["plan_bytes_from_me"], r
-            assert r["unstaged_sent"] == r["plan_unstaged_from_me"], r
-            assert r["second_messages"] == r["plan_messages_from_me"], r
-        r = per_rank[0]
-        assert r["plan_nic_bytes"] == r["nic_bytes"] == r["bound"] < r["flat_nic_bytes"], r
-        assert r["forwarded_bytes"] > 0 and r["network_bytes"] == r["flat_network_bytes"]
-        assert sum(x["forwards_from_me"] for x in per_rank) > 0
-        assert sum(x["plan_unstaged_from_me"] for x in per_rank) > 0     # some copies go unstaged
-        print(f"{spec['model']}: NIC bytes flat {r['flat_nic_bytes']} two-level {r['nic_bytes']} (bound {r['bound']}), "
-              f"forwarded {r['forwarded_bytes']}, messages {sum(x['plan_messages_from_me'] for x in per_rank)}")
+    results, spec = two_level_results, TWO_LEVEL_CASES[case]
+    check_case(results, case, spec)
+    per_rank = [r[case] for r in results]
+    assert len({r["hash"] for r in per_rank}) == 1
+    for r in per_rank:
+        assert r["bytes_sent"] == r["plan_bytes_from_me"], r
+        assert r["unstaged_sent"] == r["plan_unstaged_from_me"], r
+        assert r["second_messages"] == r["plan_messages_from_me"], r
+    r = per_rank[0]
+    assert r["plan_nic_bytes"] == r["nic_bytes"] == r["bound"] < r["flat_nic_bytes"], r
+    assert r["forwarded_bytes"] > 0 and r["network_bytes"] == r["flat_network_bytes"]
+    assert sum(x["forwards_from_me"] for x in per_rank) > 0
+    assert sum(x["plan_unstaged_from_me"] for x in per_rank) > 0     # some copies go unstaged
 
 
 def _run(mode: str, victim: int) -> dict:

@@ -248,12 +248,14 @@ def world4_results():
     return mc.spawn(_world4_models, 4, timeout=240)
 
 
-def test_world4_forward_every_layout(world4_results):
-    res = world4_results
-    for name, *_ in SCENARIOS_4:
-        _same_on_all_ranks(res, name)
+@pytest.mark.parametrize("name", [name for name, *_ in SCENARIOS_4])
+def test_world4_forward(world4_results, name):
+    _same_on_all_ranks(world4_results, name)
+
+
+def test_world4_process_groups_do_not_leak(world4_results):
     # destroy_megatron frees Megatron's groups: the number of live groups does not grow
-    counts = res[0]["_pg_counts"]
+    counts = world4_results[0]["_pg_counts"]
     assert len(set(counts)) == 1, f"process groups leak across init/destroy cycles: {counts}"
 
 
@@ -363,10 +365,18 @@ def _world8_models(rank, world):
     return _run_scenarios(rank, world, SCENARIOS_8)
 
 
-def test_world8_forward():
-    res = mc.spawn(_world8_models, 8, timeout=240)
-    for name, *_ in SCENARIOS_8:
-        _same_on_all_ranks(res, name, atol=3e-2 if "bf16" in name else 1e-5)
+@pytest.fixture(scope="module")
+def world8_results():
+    return mc.spawn(_world8_models, 8, timeout=240)
+
+
+@pytest.mark.parametrize("name", [name for name, *_ in SCENARIOS_8])
+def test_world8_forward(world8_results, name):
+    _same_on_all_ranks(world8_results, name, atol=3e-2 if "bf16" in name else 1e-5)
+
+
+def test_world8_layouts(world8_results):
+    res = world8_results
     _close(res, "gqa_tp1", "gqa_tp2")
     for r in range(8):
         d = res[r]["dsv3_tp2pp2ep4etp1"]

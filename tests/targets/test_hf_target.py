@@ -36,15 +36,23 @@ def test_megatron_to_transformers(world, case):
     assert hf["same_argmax"]
 
 
-def test_gqa_and_qwen3_moe_to_transformers():
-    cases = [{"model": "gqa", "src": {"tp": 2, "pp": 2}}, {"model": "qwen3", "src": {"tp": 2, "ep": 2}}]
-    results = spawn(hf_refit_worker.hf_gqa_scenarios, 4, cases, timeout=400)
-    for i, case in enumerate(cases):
-        src = {}
-        for r in results:
-            src.update(r[i]["src"])
-        hf = results[0][i]
-        assert set(src) == set(hf["dst"]) and len(src) > 20, set(src) ^ set(hf["dst"])
-        assert [k for k in src if src[k] != hf["dst"][k]] == []
-        assert hf["network_bytes"] == hf["lower_bound_bytes"] > 0
-        assert hf["logits_max_diff"] <= 1e-4 and hf["same_argmax"], (case, hf["logits_max_diff"])
+GQA_CASES = [{"model": "gqa", "src": {"tp": 2, "pp": 2}}, {"model": "qwen3", "src": {"tp": 2, "ep": 2}}]
+
+
+@pytest.fixture(scope="module")
+def gqa_results():
+    """One 4-rank launch for both models: per rank, per case, the source and HF tensors and logits."""
+    return spawn(hf_refit_worker.hf_gqa_scenarios, 4, GQA_CASES, timeout=400)
+
+
+@pytest.mark.parametrize("i", range(len(GQA_CASES)), ids=["gqa TP2 PP2", "qwen3 TP2 EP2"])
+def test_gqa_and_qwen3_moe_to_transformers(gqa_results, i):
+    case, results = GQA_CASES[i], gqa_results
+    src = {}
+    for r in results:
+        src.update(r[i]["src"])
+    hf = results[0][i]
+    assert set(src) == set(hf["dst"]) and len(src) > 20, set(src) ^ set(hf["dst"])
+    assert [k for k in src if src[k] != hf["dst"][k]] == []
+    assert hf["network_bytes"] == hf["lower_bound_bytes"] > 0
+    assert hf["logits_max_diff"] <= 1e-4 and hf["same_argmax"], (case, hf["logits_max_diff"])

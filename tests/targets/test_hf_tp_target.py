@@ -33,22 +33,30 @@ STYLES = {
 }
 
 
-def test_megatron_to_transformers_tensor_parallel():
-    results = spawn(hf_tp_refit_worker.hf_tp_scenarios, 4, CASES, timeout=400)
-    for i, case in enumerate(CASES):
-        for rank, r in enumerate(results):
-            res = r[i]
-            assert res["bad"] == [], (case["model"], rank, res["bad"][:5])
-            assert res["bad_after_second_refit"] == [], (case["model"], rank, res["bad_after_second_refit"][:5])
-            assert set(res["styles"]) == STYLES[case["model"]], res["styles"]
-            assert len(res["sharded"]) > 10, res["sharded"]
-            assert res["logits_max_diff"] <= 1e-4 and res["same_argmax"], (case["model"], rank, res["logits_max_diff"])
-            assert res["network_bytes"] == res["lower_bound_bytes"] > 0
-            assert all(n.startswith("model.layers.4.") for n in res["unused"])   # DeepSeek-V3's MTP layer only
-        if case.get("src_ranks"):   # ranks 2-3 hold no source: all their shards came over the network
-            assert all(results[r][i]["received"] > 0 for r in (2, 3))
-        if case["model"] == "qwen3":
-            assert "model.layers.0.mlp.experts.gate_up_proj" in results[0][i]["sharded"]
+@pytest.fixture(scope="module")
+def tp_results():
+    """One 4-rank launch for every case: per rank, per case, what the worker checked."""
+    return spawn(hf_tp_refit_worker.hf_tp_scenarios, 4, CASES, timeout=400)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)),
+                         ids=[f"{c['model']}-" + ",".join(f"{k}{v}" for k, v in c["src"].items())
+                              + (f"-ranks0-{c['src_ranks'] - 1}" if c.get("src_ranks") else "") for c in CASES])
+def test_megatron_to_transformers_tensor_parallel(tp_results, i):
+    case, results = CASES[i], tp_results
+    for rank, r in enumerate(results):
+        res = r[i]
+        assert res["bad"] == [], (case["model"], rank, res["bad"][:5])
+        assert res["bad_after_second_refit"] == [], (case["model"], rank, res["bad_after_second_refit"][:5])
+        assert set(res["styles"]) == STYLES[case["model"]], res["styles"]
+        assert len(res["sharded"]) > 10, res["sharded"]
+        assert res["logits_max_diff"] <= 1e-4 and res["same_argmax"], (case["model"], rank, res["logits_max_diff"])
+        assert res["network_bytes"] == res["lower_bound_bytes"] > 0
+        assert all(n.startswith("model.layers.4.") for n in res["unused"])   # DeepSeek-V3's MTP layer only
+    if case.get("src_ranks"):   # ranks 2-3 hold no source: all their shards came over the network
+        assert all(results[r][i]["received"] > 0 for r in (2, 3))
+    if case["model"] == "qwen3":
+        assert "model.layers.0.mlp.experts.gate_up_proj" in results[0][i]["sharded"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,

@@ -17,8 +17,6 @@ import adversarial_workers
 
 pytestmark = pytest.mark.multiproc
 
-COUNTS: dict = {}
-
 
 @pytest.fixture(scope="module")
 def misuse():
@@ -32,7 +30,6 @@ def _refused(res, case, *, kind="ReshardError", text=None):
         assert o["dst_untouched"] and o["src_untouched"], (rank, case, o)
         if text:
             assert text in o["error"], (rank, case, o["error"])
-    COUNTS[case] = "refused"
 
 
 def test_item1_two_resharders_refit_in_different_orders(misuse):
@@ -105,11 +102,10 @@ def test_item8_options_and_threads(misuse):
         assert th["claims_exact"], th
 
 
-def test_item9_numbers_refused(misuse):
-    for bad in (0, -1, float("nan"), float("inf"), "5", True):
-        _refused(misuse, f"timeout={bad!r}", kind="ValueError", text="timeout=")
-    for case in ("version=-1", "version=1.5"):
-        _refused(misuse, case, kind="ValueError", text="version=")
+@pytest.mark.parametrize("case", [f"timeout={bad!r}" for bad in (0, -1, float("nan"), float("inf"), "5", True)]
+                         + ["version=-1", "version=1.5"])
+def test_item9_numbers_refused(misuse, case):
+    _refused(misuse, case, kind="ValueError", text=case.split("=")[0] + "=")
 
 
 def test_item11_source_written_during_refit_detected_with_verify(misuse):
@@ -149,35 +145,67 @@ def test_item10_missing_peer_named():
 # --------------------------------------------------------------------------------- in-process
 
 
-def test_item9_shapes_placements_and_plans_refused_in_process():
-    from mcore_reshard.core.box import Box
-    from mcore_reshard.core.layout import Layout, LayoutError, shard_box
-    from mcore_reshard.core.mesh import Mesh
-    from mcore_reshard.core.dtensor import local_intervals
-    from mcore_reshard.core.executor.common import check_timeout
-    from torch.distributed.tensor import Shard
+def _shape(shape):
+    from mcore_reshard.core.layout import Layout
+    Layout().add_tensor("w", shape, "float32")
 
-    lay = Layout()
-    for shape in ((2.5, 4), (-1, 4), ("8", 4), (True, 4), 7):
-        with pytest.raises(LayoutError, match="shape"):
-            lay.add_tensor("w", shape, "float32")
-    with pytest.raises(LayoutError, match="unknown dtype"):
-        lay.add_tensor("w", (2, 2), "float33")
-    with pytest.raises(LayoutError, match="out of range"):
-        shard_box((4, 4), Mesh.of({"tp": 2}), 0, [("tp", 2)])
-    with pytest.raises(ValueError, match="out of range"):
-        local_intervals((4, 4), [2], [0], [Shard(3)])
-    for box in (((0.5, 0), (2, 2)), ((0, 0), (2.0, 2))):
-        with pytest.raises(ValueError, match="integers"):
-            Box(*box)
-    for bad in (0, -1, math.nan, math.inf, "5", True, [1]):
-        with pytest.raises(ValueError, match="timeout="):
-            check_timeout(bad)
-    assert check_timeout(None) is None and check_timeout(2) == 2.0
+
+def _dtype():
+    from mcore_reshard.core.layout import Layout
+    Layout().add_tensor("w", (2, 2), "float33")
+
+
+def _placement():
+    from mcore_reshard.core.layout import shard_box
+    from mcore_reshard.core.mesh import Mesh
+    shard_box((4, 4), Mesh.of({"tp": 2}), 0, [("tp", 2)])
+
+
+def _dtensor_dim():
+    from mcore_reshard.core.dtensor import local_intervals
+    from torch.distributed.tensor import Shard
+    local_intervals((4, 4), [2], [0], [Shard(3)])
+
+
+def _box(box):
+    from mcore_reshard.core.box import Box
+    Box(*box)
+
+
+def _timeout(bad):
+    from mcore_reshard.core.executor.common import check_timeout
+    check_timeout(bad)
+
+
+def _budget(bad):
     from mcore_reshard.refit import MegatronRefit
-    for bad in (math.nan, math.inf, "4096", 100, 4096.0):
-        with pytest.raises(ValueError, match="budget_bytes="):
-            MegatronRefit([], [], budget_bytes=bad)
+    MegatronRefit([], [], budget_bytes=bad)
+
+
+# (id, call, error type, message match), each a refusal before anything is exchanged
+IN_PROCESS_REFUSALS = (
+    [(f"shape={v!r}", lambda v=v: _shape(v), "LayoutError", "shape") for v in ((2.5, 4), (-1, 4), ("8", 4), (True, 4), 7)]
+    + [("dtype=float33", _dtype, "LayoutError", "unknown dtype"),
+       ("placement-dim-2-of-2", _placement, "LayoutError", "out of range"),
+       ("dtensor-Shard(3)-of-2-dims", _dtensor_dim, "ValueError", "out of range")]
+    + [(f"box={v!r}", lambda v=v: _box(v), "ValueError", "integers") for v in (((0.5, 0), (2, 2)), ((0, 0), (2.0, 2)))]
+    + [(f"timeout={v!r}", lambda v=v: _timeout(v), "ValueError", "timeout=")
+       for v in (0, -1, math.nan, math.inf, "5", True, [1])]
+    + [(f"budget_bytes={v!r}", lambda v=v: _budget(v), "ValueError", "budget_bytes=")
+       for v in (math.nan, math.inf, "4096", 100, 4096.0)])
+
+
+@pytest.mark.parametrize("case", IN_PROCESS_REFUSALS, ids=[c[0] for c in IN_PROCESS_REFUSALS])
+def test_item9_shapes_placements_and_plans_refused_in_process(case):
+    from mcore_reshard.core.layout import LayoutError
+    _, call, error, match = case
+    with pytest.raises({"LayoutError": LayoutError, "ValueError": ValueError}[error], match=match):
+        call()
+
+
+def test_item9_good_timeouts_accepted_in_process():
+    from mcore_reshard.core.executor.common import check_timeout
+    assert check_timeout(None) is None and check_timeout(2) == 2.0
 
 
 def test_nccl_host_side_deadline_and_abort(monkeypatch):

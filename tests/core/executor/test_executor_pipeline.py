@@ -70,81 +70,87 @@ def _posts(log):
     return [len(e[1]) for e in log if e[0] == "post"]
 
 
+PATH_CASES = [("tp=2,pp=2", "tp=4", True, 16384, True),         # local copies + 14 rounds + chunks
+              ("tp=2,pp=2", "tp=4", True, 256 << 20, False)]    # default constants
+PATH_IDS = ["small-constants-budget16384", "default-constants"]
+by_case = pytest.mark.parametrize("case", range(len(PATH_CASES)), ids=PATH_IDS)
+
+
 @pytest.fixture(scope="module")
 def paths():
-    cases = [("tp=2,pp=2", "tp=4", True, 16384, True),         # local copies + 14 rounds + chunks
-             ("tp=2,pp=2", "tp=4", True, 256 << 20, False)]    # default constants
-    return cases, spawn(pw.pipeline_paths, 4, cases, timeout=400)
+    """One 4-rank launch for both cases: per rank, per case, every path's record."""
+    return spawn(pw.pipeline_paths, 4, PATH_CASES, timeout=400)
 
 
-def test_pipelined_paths_are_bit_exact(paths):
-    cases, results = paths
-    for case in range(len(cases)):
-        for rank, per_rank in enumerate(results):
-            res = per_rank[case]
-            for name, p in res["paths"].items():
-                assert p["overlapped"] == name.startswith("overlapped"), (name, p["overlapped"])
-                assert p["mismatched"] == 0 and p["same_storage"] and p["same_staging"], (case, rank, name)
-                assert p["state_version"] == 2 and p["buffers"] == [2] and p["incomplete"] == [], (case, rank, name, p)
-            st = {n: p["staging"] for n, p in res["paths"].items()}
-            assert st["overlapped"] == st["batched"] <= st["overlapped_verify"] == st["batched_verify"], st
-    # the first case really has local copies, several rounds and chunked messages
-    first = [r[0] for r in results]
+@by_case
+def test_pipelined_paths_are_bit_exact(paths, case):
+    for rank, per_rank in enumerate(paths):
+        res = per_rank[case]
+        for name, p in res["paths"].items():
+            assert p["overlapped"] == name.startswith("overlapped"), (name, p["overlapped"])
+            assert p["mismatched"] == 0 and p["same_storage"] and p["same_staging"], (case, rank, name)
+            assert p["state_version"] == 2 and p["buffers"] == [2] and p["incomplete"] == [], (case, rank, name, p)
+        st = {n: p["staging"] for n, p in res["paths"].items()}
+        assert st["overlapped"] == st["batched"] <= st["overlapped_verify"] == st["batched_verify"], st
+
+
+def test_the_small_constants_case_has_local_copies_rounds_and_chunks(paths):
+    """The first case really has local copies, several rounds and chunked messages."""
+    first = [r[0] for r in paths]
     assert sum(r["local_copies"] for r in first) > 0 and max(len(r["messages"]) for r in first) > 5
     assert max(len(ref_windows(n)) for r in first for _, ms in r["messages"] for *_, n, _ in ms) > 5
 
 
-def test_batched_path_posts_the_planned_chunks(paths):
+@by_case
+def test_batched_path_posts_the_planned_chunks(paths, case):
     """Every round of every rank posts exactly the groups derived from the plan (both ends agree by
     construction); with the default constants a round of messages < 1 MiB is ONE grouped call with
     one operation per message (as before chunking)."""
-    cases, results = paths
-    for case, (*_, small) in enumerate(cases):
-        for rank, per_rank in enumerate(results):
-            res = per_rank[case]
-            for verify in (False, True):
-                log = res["paths"]["batched_verify" if verify else "batched"]["log"]
-                want = expected_batched(res["messages"], verify, small)
-                assert _posts(log) == [n for rnd in want for n in rnd], (case, rank, verify)
-                assert not any(e[0] == "isend" for e in log)
-                if not small:
-                    assert want == [[len(ms)] for _, ms in res["messages"]], (rank, want)
+    small = PATH_CASES[case][-1]
+    for rank, per_rank in enumerate(paths):
+        res = per_rank[case]
+        for verify in (False, True):
+            log = res["paths"]["batched_verify" if verify else "batched"]["log"]
+            want = expected_batched(res["messages"], verify, small)
+            assert _posts(log) == [n for rnd in want for n in rnd], (case, rank, verify)
+            assert not any(e[0] == "isend" for e in log)
+            if not small:
+                assert want == [[len(ms)] for _, ms in res["messages"]], (rank, want)
 
 
-def test_overlapped_path_operation_count(paths):
+@by_case
+def test_overlapped_path_operation_count(paths, case):
     """gloo overlapped: one batch_isend_irecv per round (every receive + the first send), every
     other send its own isend: receives and sends each one operation per part."""
-    cases, results = paths
-    for case, (*_, small) in enumerate(cases):
-        dmin = pw.DIRECT_MIN if small else 256 << 10
-        for rank, per_rank in enumerate(results):
-            res = per_rank[case]
-            log = res["paths"]["overlapped"]["log"]
-            parts = [(sum(len(ref_parts(s, dmin)) for _, send, _, s in ms if send),
-                      sum(len(ref_parts(s, dmin)) for _, send, _, s in ms if not send)) for _, ms in res["messages"]]
-            assert _posts(log) == [nr + (1 if ns else 0) for ns, nr in parts], (case, rank)
-            assert sum(1 for e in log if e[0] == "isend") == sum(max(0, ns - 1) for ns, _ in parts)
+    small = PATH_CASES[case][-1]
+    dmin = pw.DIRECT_MIN if small else 256 << 10
+    for rank, per_rank in enumerate(paths):
+        res = per_rank[case]
+        log = res["paths"]["overlapped"]["log"]
+        parts = [(sum(len(ref_parts(s, dmin)) for _, send, _, s in ms if send),
+                  sum(len(ref_parts(s, dmin)) for _, send, _, s in ms if not send)) for _, ms in res["messages"]]
+        assert _posts(log) == [nr + (1 if ns else 0) for ns, nr in parts], (case, rank)
+        assert sum(1 for e in log if e[0] == "isend") == sum(max(0, ns - 1) for ns, _ in parts)
 
 
-def test_local_copies_run_after_the_first_post_in_bounded_calls(paths):
+@by_case
+def test_local_copies_run_after_the_first_post_in_bounded_calls(paths, case):
     """The local copies start only once the first round is posted (the wire does not wait for
     them), in one copy call per slice of ~4 MiB (here: one), and packing / unpacking takes at most
     one copy call per operation, far fewer than there are entries."""
-    cases, results = paths
-    for case in range(len(cases)):
-        for rank, per_rank in enumerate(results):
-            res = per_rank[case]
-            for name in ("overlapped", "batched"):
-                log = res["paths"][name]["log"]
-                kinds = [e[0] for e in log]
-                if res["local_copies"] and res["messages"]:
-                    assert "local" in kinds and kinds.index("post") < kinds.index("local"), (rank, name, kinds[:6])
-                assert sum(e[1] for e in log if e[0] == "local") == res["local_copies"]
-                assert kinds.count("local") == (1 if res["local_copies"] else 0)
-                ops = sum(len(e[1]) for e in log if e[0] == "post") + kinds.count("isend")
-                assert kinds.count("copy") <= ops and sum(e[1] for e in log if e[0] == "copy") <= res["entries"]
-                if case == 1 and res["entries"] > 40:   # default constants: one copy call per message side
-                    assert kinds.count("copy") <= res["entries"] / 4, (rank, name, kinds.count("copy"), res["entries"])
+    for rank, per_rank in enumerate(paths):
+        res = per_rank[case]
+        for name in ("overlapped", "batched"):
+            log = res["paths"][name]["log"]
+            kinds = [e[0] for e in log]
+            if res["local_copies"] and res["messages"]:
+                assert "local" in kinds and kinds.index("post") < kinds.index("local"), (rank, name, kinds[:6])
+            assert sum(e[1] for e in log if e[0] == "local") == res["local_copies"]
+            assert kinds.count("local") == (1 if res["local_copies"] else 0)
+            ops = sum(len(e[1]) for e in log if e[0] == "post") + kinds.count("isend")
+            assert kinds.count("copy") <= ops and sum(e[1] for e in log if e[0] == "copy") <= res["entries"]
+            if case == 1 and res["entries"] > 40:   # default constants: one copy call per message side
+                assert kinds.count("copy") <= res["entries"] / 4, (rank, name, kinds.count("copy"), res["entries"])
 
 
 def test_peer_dies_in_a_later_chunk():
