@@ -128,9 +128,24 @@ def join_group(init_method: str, world_size: int, rank: int, *, backend: str | N
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     name = group_name or "mcore_reshard_" + hashlib.sha1(init_method.encode()).hexdigest()[:12]
-    store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    try:
+        store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    except RuntimeError as e:     # tcp://: group rank 0's store never came up within the timeout
+        raise ReshardError(f"join_group: rank {rank} of {world_size} reached no rendezvous at {init_method} within "
+                           f"{timeout_s:g} s: {e}") from e
     store.set_timeout(timeout)
     _same_kind_of_join(store, name, rank, world_size, dist.is_initialized(), timeout)
+    try:
+        return _make_group(store, name, rank, world_size, backend, timeout)
+    except RuntimeError as e:     # a peer that left after the rendezvous: torch's bare timeout, named here
+        if isinstance(e, ReshardError):
+            raise
+        raise ReshardError(f"join_group: rank {rank} of {world_size} could not connect the group within "
+                           f"{timeout.total_seconds():g} s (a member left or stalled after the rendezvous): {e}") from e
+
+
+def _make_group(store, name: str, rank: int, world_size: int, backend: str, timeout: datetime.timedelta):
+    from torch.distributed import distributed_c10d as c10d
     if not dist.is_initialized():
         dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
         return dist.group.WORLD
@@ -161,7 +176,13 @@ def _same_kind_of_join(store, name: str, rank: int, world_size: int, has_default
     soon as every member has arrived, on every member, saying which ranks are which."""
     key = f"mcore_reshard_join/{name}/"
     store.set(key + str(rank), "beside" if has_default else "world")
-    store.wait([key + str(r) for r in range(world_size)], timeout)
+    try:
+        store.wait([key + str(r) for r in range(world_size)], timeout)
+    except RuntimeError as e:     # torch's bare "Wait timeout": say who is missing
+        missing = [r for r in range(world_size) if not store.check([key + str(r)])]
+        raise ReshardError(f"join_group: group ranks {missing} did not join within {timeout.total_seconds():g} s "
+                           f"(this is rank {rank} of {world_size}); every member must call join_group with the same "
+                           f"init_method") from e
     kinds = {r: store.get(key + str(r)).decode() for r in range(world_size)}
     if len(set(kinds.values())) > 1:
         beside = [r for r, k in kinds.items() if k == "beside"]
