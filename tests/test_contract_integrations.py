@@ -1,8 +1,8 @@
 """The contract suite at the integration level, generated from tests/integration_contract_cases.py:
 each public argument of ``hf_config`` and its helpers, ``integrations.protocol``, the vLLM worker
 extension and weight-transfer engine (their own validation, on a stand-in worker), the SGLang
-loader and the CLI x each class of bad value that applies.  ``export_hf``, ``join_refit`` and FP8
-in transit need a group: they are in tests/test_fault_matrix.py's 2-rank launch.
+loader and the CLI x each class of bad value that applies, in process; ``export_hf``, ``join_refit``
+and FP8 in transit (``Fp8Resharder``) in one 2-rank gloo launch (tests/collective_contract_workers.py).
 
 A case passes when it is ``refused`` (the library's own error types, or a ValueError / TypeError
 naming the argument; the CLI: exit code 2 and a message naming the option, no traceback) or
@@ -101,6 +101,44 @@ def test_cli_entry_point_help_and_a_bad_value():
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "budget" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-800:]
     _count("mcore-reshard (process)", "refused")
+
+
+@pytest.fixture(scope="module")
+def collective_results():
+    import collective_contract_workers as cw
+    from partial_launch import spawn_ok
+    return spawn_ok(cw.collective_cases, 2, timeout=600, pg_timeout=120)
+
+
+def _collective_table():
+    try:
+        import collective_contract_workers as cw
+    except ImportError as e:      # pragma: no cover - megatron-core missing
+        pytest.skip(f"needs {e.name}")
+    return cw.TABLE
+
+
+COLLECTIVE = _collective_table()
+# values the contract accepts: an fp32 source of FP8 in transit (documented: BF16 or fp32 sources)
+COLLECTIVE_ACCEPTED = {("Fp8Resharder", "src", "wrong_dtype")}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", COLLECTIVE, ids=lambda c: "-".join(c))
+def test_collective(collective_results, case):
+    """export_hf / join_refit / Fp8Resharder: every rank passes the same bad value; refused on every rank,
+    alike, before a destination byte changed (export: no index written)."""
+    api, arg, kind = case
+    outcomes = [r["|".join(case)] for r in collective_results]
+    verdicts = set()
+    for o in outcomes:
+        v = ic.judge(o, arg, case not in COLLECTIVE_ACCEPTED)
+        if v == "refused" and not o["dst_untouched"]:
+            v = "late"
+        verdicts.add(v)
+    v = "/".join(sorted(verdicts))
+    _count(api, v)
+    assert v in ("refused", "ok"), (v, outcomes)
 
 
 def test_zz_counts(capsys):

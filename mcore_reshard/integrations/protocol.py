@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..core.executor import ReshardError, Resharder, all_gather_json, all_or_none, dtype_name
 from ..core.layout import Layout, LayoutError
-from ..core.planner import DEFAULT_BUDGET, make_plan
+from ..core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
 
 ENGINES = ("vllm", "sglang", "hf", "megatron")
 
@@ -494,8 +494,19 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
     if allow_cast != "loader" and not isinstance(allow_cast, bool):
         raise ValueError(f"allow_cast={allow_cast!r}: expected 'loader', True or False")
     rank = dist.get_rank(group)
-    options = {"budget_bytes": int(budget_bytes), "allow_cast": allow_cast, "ignore_unused": bool(ignore_unused),
-               "verify": bool(verify)}
+    local = []
+    try:
+        budget_bytes = check_budget(budget_bytes)
+    except PlanError as e:
+        local.append(f"rank {rank}: {e}")
+    for what, tensors in (("src_tensors", src_tensors), ("dst_tensors", dst_tensors)):
+        if tensors is not None and not isinstance(tensors, Mapping):
+            local.append(f"rank {rank}: {what} must be a mapping of buffer name -> tensor, not {type(tensors).__name__}")
+    if error is not None and not isinstance(error, str):
+        local.append(f"rank {rank}: error={error!r} must be a message string or None")
+    options = {"budget_bytes": budget_bytes if isinstance(budget_bytes, int) else repr(budget_bytes),
+               "allow_cast": allow_cast, "ignore_unused": bool(ignore_unused), "verify": bool(verify)}
+    error = "; ".join(filter(None, [error if isinstance(error, str) else None] + local)) or None
     payload: dict[str, Any] = {"rank": rank, "error": error, "options": options}
     try:
         payload["src"], payload["src_spec"] = _as_payload("src", src, rank)

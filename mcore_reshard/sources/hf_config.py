@@ -160,6 +160,9 @@ def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddi
     act = getattr(cfg, "activation_func", None)
     f["activation"] = getattr(act, "__name__", str(act))
     if chunk is not None:
+        if vocab_size is not None and vocab_size > chunk.vocab_size:
+            raise HFConfigError(f"vocab_size={vocab_size} is larger than the model's embedding ({chunk.vocab_size} rows): "
+                                "pass the real vocabulary of a padded embedding, at most its rows")
         rope = getattr(chunk, "rotary_pos_emb", None)
         f.update(vocab_size=vocab_size or chunk.vocab_size,
                  max_sequence_length=max_position_embeddings or chunk.max_sequence_length,
