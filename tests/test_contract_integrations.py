@@ -68,19 +68,7 @@ def test_engine_entry_points(case):
     _check(case)
 
 
-# documented, not prevented (RELIABILITY.md, Limits): exit code 2, one line, no traceback, but the message names
-# the value and why, not the option
-CLI_NAMES_VALUE_ONLY = {("plan", "--src", "unknown_axis"), ("plan", "--dst", "indivisible"),
-                        ("explain", "name", "unknown_tensor")}
-
-
-def _cli_param(c):
-    marks = [pytest.mark.xfail(strict=True, reason="message names the value, not the option")] \
-        if tuple(c[:3]) in CLI_NAMES_VALUE_ONLY else []
-    return pytest.param(c, id="-".join(c[:3]), marks=marks)
-
-
-@pytest.mark.parametrize("case", [_cli_param(c) for c in ic.CLI_CASES])
+@pytest.mark.parametrize("case", ic.CLI_CASES, ids=["-".join(c[:3]) for c in ic.CLI_CASES])
 def test_cli(case, tmp_path):
     command, option, kind, argv = case
     not_json = tmp_path / "config.json"

@@ -89,7 +89,10 @@ def _layouts(args, steps):
     if args.model == "synthetic" and not args.config:
         from .demo import build_layouts
         steps.step("synthetic layouts")
-        return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
+        try:
+            return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
+        except ValueError as e:   # the builder sees both strings: name the options it was given
+            raise ValueError(f"--src {args.src!r} / --dst {args.dst!r}: {e}") from None
     from . import layout_strings
     cfg = _model_config(args)
     src_spec, dst_spec = layout_strings.parse(args.src), layout_strings.parse(args.dst)
@@ -232,7 +235,7 @@ def cmd_explain(args) -> int:
     _, _, plan, _ = _plan(args)
     if args.name not in plan.tensors:
         close = [n for n in plan.tensors if args.name in n][:10]
-        print(f"error: no tensor {args.name!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""), file=sys.stderr)
+        print(f"mcore-reshard explain: error: argument name: no tensor {args.name!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""), file=sys.stderr)
         return 2
     meta = plan.tensors[args.name]
     print(f"{args.name}  shape {meta['shape']}  {meta['src_dtype']} -> {meta['dst_dtype']}")
