@@ -141,14 +141,20 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     from .sources.hf_config import hf_config_dict, megatron_facts
 
     budget_bytes = check_budget(budget_bytes)
+    memory_bytes = check_budget(memory_bytes, "memory_bytes")
     t0 = time.perf_counter()
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    want_dtype = None if dtype is None else dtype_name(dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype))
     src_t = {}
+    want_dtype = None
     with GatherChecked(group, "export_hf: reading the model", timeout=timeout) as g:
-        if not 0 <= on_rank < world:
-            raise ValueError(f"on_rank={on_rank} is not a rank of the group of {world} (pass the rank in the group)")
+        if isinstance(on_rank, bool) or not isinstance(on_rank, int) or not 0 <= on_rank < world:
+            raise ValueError(f"on_rank={on_rank!r} is not a rank of the group of {world} (pass the rank in the group)")
+        want_dtype = _export_dtype(dtype)
+        if not isinstance(out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir={out_dir!r}: must be a path")
+        if not isinstance(family, str):
+            raise TypeError(f"family={family!r}: must be a family name or 'auto'")
         if rank == on_rank:
             import safetensors.torch  # noqa: F401 - the writer needs it (it comes with transformers)
         src_l, src_t = read_layout(model_chunks, rank)
@@ -239,6 +245,20 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             "buffers": len(dst.buffers.get(on_rank, {})), "total_bytes": total, "max_group_bytes": biggest,
             "network_bytes": net, "writer_peak_added_bytes": peak_added, "stream_seconds": stream_s,
             "seconds": time.perf_counter() - t0}
+
+
+def _export_dtype(dtype) -> str | None:
+    """The stored dtype's name: None (Megatron's own) or a floating-point dtype (an export to an
+    integer or bool dtype would destroy the weights); ValueError naming ``dtype`` otherwise."""
+    if dtype is None:
+        return None
+    try:
+        name = dtype_name(dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"dtype={dtype!r}: not a dtype (float32, bfloat16, float16 or a torch.dtype)") from None
+    if not torch_dtype(name).is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: weights are stored in a floating-point dtype")
+    return name
 
 
 def _all_written(group, error: str | None, timeout: float | None, pbar) -> None:

@@ -76,6 +76,18 @@ def _pick(tensors: Mapping[str, torch.Tensor], plan, side: str, rank: int) -> di
     return {n: tensors[n] for n in plan.buffers[side].get(rank, {}) if n in tensors}
 
 
+def _mismatches(tensors: Mapping[str, torch.Tensor], specs: Mapping, side: str, rank: int) -> list[str]:
+    """This rank's given tensors whose shape or dtype is not the plan's buffer (``specs``: name -> (shape, dtype))."""
+    from ..core.executor import dtype_name
+    out = []
+    for name, (shape, dtype) in specs.items():
+        t = tensors.get(name)
+        if t is not None and (tuple(t.shape) != tuple(shape) or dtype_name(t.dtype) != dtype):
+            out.append(f"rank {rank}: {side} tensor {name} is {list(t.shape)} {dtype_name(t.dtype)}, the FP8 plan's "
+                       f"buffer is {list(shape)} {dtype}")
+    return sorted(set(out))
+
+
 class Fp8Resharder:
     """Binds an :class:`~mcore_reshard.fp8.plan.Fp8Plan` to this rank's tensors (collective).
 
@@ -87,6 +99,11 @@ class Fp8Resharder:
     def __init__(self, plan: Fp8Plan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
                  group=None, *, timeout: float | None = None, verify: bool = False):
         import torch.distributed as dist
+        if not isinstance(plan, Fp8Plan):
+            raise TypeError(f"plan: expected an Fp8Plan (make_fp8_plan), not {type(plan).__name__}")
+        for what, tensors in (("src", src), ("dst", dst)):
+            if not isinstance(tensors, Mapping) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                raise TypeError(f"{what}: expected a mapping of buffer name -> tensor, not {type(tensors).__name__}")
         self.plan = plan
         self.rank = rank = dist.get_rank(group)
         self.version = 0
@@ -97,6 +114,14 @@ class Fp8Resharder:
         for g in plan.groups:
             views = g.views.get(rank, {})
             want_dst |= {views[n][0] if n in views else n for n in g.stage_b.buffers["dst"].get(rank, {})}
+        want_src = set(plan.rest.buffers["src"].get(rank, {}))
+        for g in plan.groups:
+            if g.assembly is not None:
+                want_src |= set(g.assembly.buffers["src"].get(rank, {}))
+            want_src |= {reg.input for reg in g.regions if reg.owner == rank and reg.kind == "shard"}
+        extra_src = sorted(set(src) - want_src)
+        if extra_src:
+            errors.append(f"rank {rank}: {len(extra_src)} src tensor(s) the FP8 plan never reads: {', '.join(extra_src[:8])}")
         extra = sorted(set(dst) - want_dst)
         if extra:
             errors.append(f"rank {rank}: {len(extra)} dst tensor(s) the FP8 plan never writes: {', '.join(extra[:8])}")
@@ -105,6 +130,14 @@ class Fp8Resharder:
                 if reg.owner == rank and reg.kind == "shard" and reg.input not in src:
                     errors.append(f"rank {rank}: source tensor {reg.input} (to quantize {reg.tensor}{reg.box}) is missing")
                     break
+        errors += _mismatches(src, plan.rest.buffers["src"].get(rank, {}), "src", rank)
+        errors += _mismatches(dst, plan.rest.buffers["dst"].get(rank, {}), "dst", rank)
+        for g in plan.groups:
+            if g.assembly is not None:
+                errors += _mismatches(src, g.assembly.buffers["src"].get(rank, {}), "src", rank)
+            views = g.views.get(rank, {})
+            errors += _mismatches(dst, {n: v for n, v in g.stage_b.buffers["dst"].get(rank, {}).items()
+                                        if n not in views}, "dst", rank)
         agree(group, plan.hash, errors, timeout=timeout)
         tensors = list(dst.values()) + list(src.values())
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -150,7 +183,10 @@ class Fp8Resharder:
     def refit(self, version: int | None = None) -> dict:
         """Move every byte once (collective): unquantized tensors, then each group's assembly,
         quantization and FP8 transfer.  Returns this rank's counts."""
-        v = self.version + 1 if version is None else int(version)
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                    or not 0 <= version < 2 ** 63):
+            raise ValueError(f"version={version!r}: must be an integer in [0, 2**63) or None")
+        v = self.version + 1 if version is None else version
         out = {"version": v, "messages_sent": 0, "staged_bytes_sent": 0, "quantized_elements": 0, "quantize_s": 0.0}
 
         def add(st):

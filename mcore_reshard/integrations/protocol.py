@@ -42,6 +42,7 @@ import datetime
 import difflib
 import hashlib
 import math
+import numbers
 import re
 import time
 from typing import Any, Iterable, Mapping
@@ -51,7 +52,7 @@ import torch.distributed as dist
 
 from ..core.executor import ReshardError, Resharder, all_gather_json, all_or_none, dtype_name
 from ..core.layout import Layout, LayoutError, merge_layouts
-from ..core.planner import DEFAULT_BUDGET, make_plan
+from ..core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
 
 ENGINES = ("vllm", "sglang", "hf", "megatron")
 
@@ -67,6 +68,44 @@ def _rank_map(world_size: int, rank: int, default_rank: int) -> dict[int, int]:
     out = {next(spare): r for r in range(world_size) if r != rank}
     out[default_rank] = rank
     return out
+
+
+def _whole(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what}={value!r}: must be an integer, not {type(value).__name__}")
+    return int(value)
+
+
+def check_join_args(init_method, world_size, rank, timeout_s, backend=None) -> tuple[int, int, float]:
+    """``(world_size, rank, timeout_s)`` checked before any rendezvous (a bad value would otherwise
+    wait on the store until the timeout, or fail inside torch with a message naming nothing):
+    TypeError / ValueError naming the argument.  ``rank`` may be a worker's computed rank."""
+    if not isinstance(init_method, str) or "://" not in init_method:
+        raise ValueError(f"init_method={init_method!r}: must be a URL string, tcp://host:port or file:///path")
+    world_size, rank = _whole(world_size, "world_size"), _whole(rank, "rank")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be at least 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: outside the group of world_size={world_size} (ranks 0..{world_size - 1})")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not math.isfinite(float(timeout_s))
+            or not 0 < float(timeout_s) <= 1e9):
+        raise ValueError(f"timeout_s={timeout_s!r}: must be a finite number of seconds > 0 and <= 1e9")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend={backend!r}: must be a backend name ('gloo', 'nccl') or None")
+    return world_size, rank, float(timeout_s)
+
+
+def engine_rank(rank_offset, local_rank: int, world_size, who: str) -> int:
+    """An engine worker's rank in the shared group, ``rank_offset + local_rank``: TypeError /
+    ValueError naming ``rank_offset`` / ``world_size`` for a value of the wrong kind,
+    :class:`ReshardError` when the rank falls outside ``world_size``."""
+    offset, world = _whole(rank_offset, "rank_offset"), _whole(world_size, "world_size")
+    if offset < 0:
+        raise ValueError(f"rank_offset={offset}: must be >= 0 (the shared group rank of the engine's first worker)")
+    rank = offset + int(local_rank)
+    if not 0 <= rank < world:
+        raise ReshardError(f"{who} rank {rank} (rank_offset {offset}) is outside world_size {world}")
+    return rank
 
 
 def join_group(init_method: str, world_size: int, rank: int, *, backend: str | None = None,
@@ -85,12 +124,28 @@ def join_group(init_method: str, world_size: int, rank: int, *, backend: str | N
     """
     from torch.distributed import distributed_c10d as c10d
 
+    world_size, rank, timeout_s = check_join_args(init_method, world_size, rank, timeout_s, backend)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     name = group_name or "mcore_reshard_" + hashlib.sha1(init_method.encode()).hexdigest()[:12]
-    store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    try:
+        store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    except RuntimeError as e:     # tcp://: group rank 0's store never came up within the timeout
+        raise ReshardError(f"join_group: rank {rank} of {world_size} reached no rendezvous at {init_method} within "
+                           f"{timeout_s:g} s: {e}") from e
     store.set_timeout(timeout)
     _same_kind_of_join(store, name, rank, world_size, dist.is_initialized(), timeout)
+    try:
+        return _make_group(store, name, rank, world_size, backend, timeout)
+    except RuntimeError as e:     # a peer that left after the rendezvous: torch's bare timeout, named here
+        if isinstance(e, ReshardError):
+            raise
+        raise ReshardError(f"join_group: rank {rank} of {world_size} could not connect the group within "
+                           f"{timeout.total_seconds():g} s (a member left or stalled after the rendezvous): {e}") from e
+
+
+def _make_group(store, name: str, rank: int, world_size: int, backend: str, timeout: datetime.timedelta):
+    from torch.distributed import distributed_c10d as c10d
     if not dist.is_initialized():
         dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
         return dist.group.WORLD
@@ -121,7 +176,13 @@ def _same_kind_of_join(store, name: str, rank: int, world_size: int, has_default
     soon as every member has arrived, on every member, saying which ranks are which."""
     key = f"mcore_reshard_join/{name}/"
     store.set(key + str(rank), "beside" if has_default else "world")
-    store.wait([key + str(r) for r in range(world_size)], timeout)
+    try:
+        store.wait([key + str(r) for r in range(world_size)], timeout)
+    except RuntimeError as e:     # torch's bare "Wait timeout": say who is missing
+        missing = [r for r in range(world_size) if not store.check([key + str(r)])]
+        raise ReshardError(f"join_group: group ranks {missing} did not join within {timeout.total_seconds():g} s "
+                           f"(this is rank {rank} of {world_size}); every member must call join_group with the same "
+                           f"init_method") from e
     kinds = {r: store.get(key + str(r)).decode() for r in range(world_size)}
     if len(set(kinds.values())) > 1:
         beside = [r for r, k in kinds.items() if k == "beside"]
@@ -153,7 +214,21 @@ def config_to_json(config) -> dict:
 
 
 def config_from_json(obj: Mapping):
+    """The :class:`~mcore_reshard.targets.ModelConfig` of :func:`config_to_json`'s dict; LayoutError
+    naming the missing, unknown or ill-typed fields."""
     from ..targets import ModelConfig
+    if not isinstance(obj, Mapping):
+        raise LayoutError(f"model config: expected a dict of ModelConfig fields, not {type(obj).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig) if f.name != "extra"}
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing, unknown = [n for n in required if n not in obj], sorted(set(obj) - set(fields) - {"extra"})
+    if missing or unknown:
+        raise LayoutError(f"model config: missing fields {missing}, unknown fields {unknown}")
+    for n in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+        v = obj[n]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LayoutError(f"model config: {n}={v!r} must be an integer >= 1")
     d = dict(obj)
     d["mlp_only_layers"] = tuple(d.get("mlp_only_layers") or ())
     return ModelConfig(**d)
@@ -168,7 +243,9 @@ def layout_spec(engine: str, config, **kwargs) -> dict:
     of :class:`~mcore_reshard.sources.megatron_spec.ParallelSizes` fields, ``family``, ``dtype``,
     ``norm_dtype``, ``rank_offset``).  ``config``: a ModelConfig or its JSON."""
     if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; known: {ENGINES}")
+        raise ValueError(f"engine={engine!r}: unknown; known: {ENGINES}")
+    if not isinstance(config, Mapping) and not dataclasses.is_dataclass(config):
+        raise TypeError(f"config={config!r:.60}: expected a ModelConfig or its JSON dict")
     cfg = config if isinstance(config, Mapping) else config_to_json(config)
     kw = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items()}
     return {"engine": engine, "config": dict(cfg), "kwargs": kw}
@@ -176,29 +253,59 @@ def layout_spec(engine: str, config, **kwargs) -> dict:
 
 def build_layout(spec: Mapping) -> Layout:
     """The layout a :func:`layout_spec` describes."""
-    from ..targets import hf_layout, sglang_layout, vllm_layout
-    engine, kw = spec["engine"], dict(spec.get("kwargs") or {})
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("config"), Mapping) \
+            or not isinstance(spec.get("kwargs") or {}, Mapping):
+        raise LayoutError(f"layout spec {spec!r:.80}: expected a dict with 'engine', 'config' (a dict) and "
+                          "'kwargs' (a dict), as layout_spec() makes")
+    engine, kw = spec.get("engine"), dict(spec.get("kwargs") or {})
+    if engine not in ENGINES:
+        raise LayoutError(f"layout spec: engine={engine!r} is unknown; known: {ENGINES}")
     cfg = config_from_json(spec["config"])
+    try:
+        layout = _build(engine, cfg, kw)
+    except LayoutError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError) as e:
+        raise LayoutError(f"layout spec {spec_text(spec)}: the kwargs do not describe a layout: "
+                          f"{type(e).__name__}: {e}") from e
+    if not layout.buffers:
+        raise LayoutError(f"layout spec {spec_text(spec)}: describes no rank's buffers (a parallel size below 1?)")
+    return layout
+
+
+def _build(engine: str, cfg, kw: dict) -> Layout:
+    from ..targets import hf_layout, sglang_layout, vllm_layout
     if engine == "vllm":
         return vllm_layout(cfg, **kw)
     if engine == "sglang":
         return sglang_layout(cfg, **kw)
     if engine == "hf":
         return hf_layout(cfg, **kw)
-    if engine == "megatron":
-        from ..sources.megatron_spec import ParallelSizes, megatron_layout
-        sizes = ParallelSizes(**kw.pop("sizes", {}))
-        return megatron_layout(cfg, sizes, **kw)
-    raise ValueError(f"unknown engine {engine!r} in layout spec; known: {ENGINES}")
+    from ..sources.megatron_spec import ParallelSizes, megatron_layout
+    sizes = ParallelSizes(**kw.pop("sizes", {}))
+    return megatron_layout(cfg, sizes, **kw)
 
 
 def spec_text(spec: Mapping) -> str:
-    kw = ", ".join(f"{k}={v}" for k, v in sorted((spec.get("kwargs") or {}).items()))
-    return f"{spec['engine']}_layout({spec['config'].get('model_type', '?')}, {kw})"
+    kwargs = spec.get("kwargs") if isinstance(spec, Mapping) else None
+    kw = ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())) if isinstance(kwargs, Mapping) else ""
+    cfg = spec.get("config") if isinstance(spec, Mapping) else None
+    engine = spec.get("engine", "?") if isinstance(spec, Mapping) else "?"
+    return f"{engine}_layout({cfg.get('model_type', '?') if isinstance(cfg, Mapping) else '?'}, {kw})"
+
+
+def _layout_arg(value, what: str) -> Layout:
+    if not isinstance(value, Layout):
+        raise TypeError(f"{what}={value!r:.60}: must be a Layout, not {type(value).__name__}")
+    return value
 
 
 def rank_part(layout: Layout, rank: int, drop: Iterable[str] = ()) -> Layout:
     """The part of ``layout`` on ``rank`` (its buffers and the tensors they hold), minus ``drop``."""
+    _layout_arg(layout, "layout")
+    _whole(rank, "rank")
+    if isinstance(drop, (str, bytes)) or not isinstance(drop, Iterable):
+        raise TypeError(f"drop={drop!r}: must be an iterable of buffer names")
     drop = set(drop)
     part = Layout()
     for name, buf in sorted(layout.buffers.get(rank, {}).items()):
@@ -218,12 +325,16 @@ def live_tensors(modules: Mapping[str, torch.nn.Module]) -> tuple[dict[str, torc
     detached (same storage).  A parameter whose memory is already listed under another name (a draft
     model sharing the target's embedding) is left out and returned in ``aliases`` (name -> name it
     shares memory with): it is updated through the other name."""
+    if not isinstance(modules, Mapping):
+        raise TypeError(f"modules: must be a mapping of prefix -> torch.nn.Module, not {type(modules).__name__}")
     out: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for prefix, module in modules.items():
         if module is None:
             continue
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"modules[{prefix!r}]: must be a torch.nn.Module, not {type(module).__name__}")
         for name, p in module.named_parameters():
             t = p.detach()
             key = (t.device.type, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
@@ -242,7 +353,19 @@ def check_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor]
     ``rank``: names the layout has and the model lacks (with a close name when there is one), names
     the model has and the layout lacks (they would keep stale weights), shapes and dtypes.
     ``ignore``: regexes of live names that are not weights the refit owns."""
-    pats = [re.compile(p) for p in ignore]
+    _layout_arg(layout, "layout")
+    _whole(rank, "rank")
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors: must be a mapping of buffer name -> tensor, not {type(tensors).__name__}")
+    if isinstance(ignore, (str, bytes)) or not isinstance(ignore, Iterable):
+        raise TypeError(f"ignore={ignore!r}: must be an iterable of regexes")
+    try:
+        pats = [re.compile(p) for p in ignore]
+    except (re.error, TypeError) as e:
+        raise ValueError(f"ignore: {e}") from e
+    not_tensors = sorted(n for n, t in tensors.items() if not isinstance(t, torch.Tensor))
+    if not_tensors:
+        return [f"rank {rank}: {what}: not tensors: {', '.join(not_tensors[:limit])}"]
     want = layout.buffers.get(rank, {})
     have = {n: t for n, t in tensors.items() if not any(p.search(n) for p in pats)}
     missing = sorted(set(want) - set(have))
@@ -358,8 +481,19 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
     if allow_cast != "loader" and not isinstance(allow_cast, bool):
         raise ValueError(f"allow_cast={allow_cast!r}: expected 'loader', True or False")
     rank = dist.get_rank(group)
-    options = {"budget_bytes": int(budget_bytes), "allow_cast": allow_cast, "ignore_unused": bool(ignore_unused),
-               "verify": bool(verify)}
+    local = []
+    try:
+        budget_bytes = check_budget(budget_bytes)
+    except PlanError as e:
+        local.append(f"rank {rank}: {e}")
+    for what, tensors in (("src_tensors", src_tensors), ("dst_tensors", dst_tensors)):
+        if tensors is not None and not isinstance(tensors, Mapping):
+            local.append(f"rank {rank}: {what} must be a mapping of buffer name -> tensor, not {type(tensors).__name__}")
+    if error is not None and not isinstance(error, str):
+        local.append(f"rank {rank}: error={error!r} must be a message string or None")
+    options = {"budget_bytes": budget_bytes if isinstance(budget_bytes, int) else repr(budget_bytes),
+               "allow_cast": allow_cast, "ignore_unused": bool(ignore_unused), "verify": bool(verify)}
+    error = "; ".join(filter(None, [error if isinstance(error, str) else None] + local)) or None
     payload: dict[str, Any] = {"rank": rank, "error": error, "options": options}
     try:
         payload["src"], payload["src_spec"] = _as_payload("src", src, rank)
@@ -392,6 +526,8 @@ def loader_casts(src: Layout, dst: Layout) -> bool:
     """Whether the plan must cast (``allow_cast="loader"``): True when some tensor's source and
     destination dtypes differ and every such pair is floating point; raises :class:`LayoutError`
     naming the tensors whose cast an engine's loader would not make (integer, FP8)."""
+    _layout_arg(src, "src")
+    _layout_arg(dst, "dst")
     differ = [(n, src.tensors[n].dtype, m.dtype) for n, m in sorted(dst.tensors.items())
               if n in src.tensors and src.tensors[n].dtype != m.dtype]
     bad = [f"{n} ({a} -> {b})" for n, a, b in differ if a not in FLOATING or b not in FLOATING]
@@ -416,5 +552,5 @@ def megatron_source(chunks, rank: int, *, family: str = "auto", vocab_size: int 
     return canonicalize(layout, fam, config), tensors
 
 
-__all__ = ["FLOATING", "build_layout", "check_tensors", "loader_casts", "config_from_json", "config_to_json", "join_group", "join_refit",
+__all__ = ["FLOATING", "build_layout", "check_tensors", "loader_casts", "config_from_json", "config_to_json", "check_join_args", "engine_rank", "join_group", "join_refit",
            "layout_spec", "leave_group", "live_tensors", "megatron_source", "rank_part", "spec_text"]

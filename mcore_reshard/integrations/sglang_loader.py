@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..core.executor import ReshardError, dtype_name
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (engine_destination, join_group, join_refit, layout_spec, leave_group, live_tensors,
+from .protocol import (check_join_args, engine_destination, engine_rank, join_group, join_refit, layout_spec, leave_group, live_tensors,
                        timed_refit)
 
 LOAD_FORMAT = "mcore_reshard.integrations.sglang_loader.load"
@@ -56,13 +56,28 @@ log = logging.getLogger(__name__)
 def command(name: str, **payload) -> tuple[str, torch.Tensor]:
     """A loader command as a named tensor (uint8 JSON bytes) for ``update_weights_from_tensor``."""
     if name not in COMMANDS:
-        raise ValueError(f"unknown command {name!r}; known: {COMMANDS}")
-    data = json.dumps(payload, sort_keys=True).encode()
+        raise ValueError(f"name={name!r}: unknown command; known: {COMMANDS}")
+    try:
+        data = json.dumps(payload, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"payload of command {name!r}: every value must be plain JSON (no tensors, NaN or inf): {e}") from None
     return COMMAND_PREFIX + name, torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
 def decode(tensor: torch.Tensor) -> dict:
-    return json.loads(bytes(tensor.detach().to("cpu", torch.uint8).reshape(-1).tolist()).decode()) if tensor.numel() else {}
+    """A command tensor's payload (``{}`` for an empty one); ReshardError unless uint8 JSON bytes of a dict."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.device.type == "meta":
+        what = f"{tensor.dtype} on {tensor.device}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ReshardError(f"command tensor: expected uint8 JSON bytes (command() makes them), got {what}")
+    if not tensor.numel():
+        return {}
+    try:
+        payload = json.loads(bytes(tensor.detach().cpu().reshape(-1).tolist()).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ReshardError(f"command tensor: not JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise ReshardError(f"command tensor: the payload must be a JSON object, not {type(payload).__name__}")
+    return payload
 
 
 def is_draft(model: torch.nn.Module) -> bool:
@@ -165,9 +180,8 @@ class SGLangRefit:
     def join(self, model, init_method: str, world_size: int, rank_offset: int, timeout_s: float = 600.0,
              backend: str | None = None) -> dict:
         """Join the shared group as ``rank_offset + tp_rank`` (collective)."""
-        rank = int(rank_offset) + sglang_tp_rank()
-        if not 0 <= rank < world_size:
-            raise ReshardError(f"SGLang worker rank {rank} (rank_offset {rank_offset}) is outside world_size {world_size}")
+        rank = engine_rank(rank_offset, sglang_tp_rank(), world_size, "SGLang worker")
+        check_join_args(init_method, world_size, rank, timeout_s, backend)
         self.group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
         self.rank, self.world_size, self.rank_offset, self.timeout_s = rank, int(world_size), int(rank_offset), float(timeout_s)
         self.resharder = None
@@ -238,6 +252,8 @@ def load(model: torch.nn.Module, named_tensors) -> None:
     raise the same error) is logged and kept in ``session().last_error``; a failed ``refit``
     re-raises (parameters may be partly written) unless the command says ``"raise": false``."""
     s = _SESSION
+    if isinstance(named_tensors, (str, bytes, Mapping)) or not isinstance(named_tensors, Iterable):
+        raise TypeError(f"named_tensors: must be an iterable of (name, tensor) pairs, not {type(named_tensors).__name__}")
     named = list(named_tensors)
     weights = [(n, t) for n, t in named if not n.startswith(COMMAND_PREFIX)]
     if weights:
@@ -248,9 +264,11 @@ def load(model: torch.nn.Module, named_tensors) -> None:
     for name, tensor in named:
         if not name.startswith(COMMAND_PREFIX):
             continue
-        cmd, payload = name[len(COMMAND_PREFIX):], decode(tensor)
-        raise_errors = bool(payload.pop("raise", cmd in ("refit", "post_refit")))
+        cmd = name[len(COMMAND_PREFIX):]
+        raise_errors = cmd in ("refit", "post_refit")
         try:
+            payload = decode(tensor)
+            raise_errors = bool(payload.pop("raise", raise_errors))
             if cmd not in COMMANDS:
                 raise ReshardError(f"unknown mcore_reshard command {cmd!r}; known: {COMMANDS}")
             s.last_error = None

@@ -18,7 +18,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from ..core.executor import ReshardError
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import build_layout, check_tensors, join_group, join_refit, leave_group, rank_part, spec_text, timed_refit
+from .protocol import (build_layout, check_join_args, check_tensors, engine_rank, join_group, join_refit, leave_group, rank_part,
+                       spec_text, timed_refit)
 from .vllm_postload import PostLoad
 from .vllm_transfer import REPORTS_KEPT, plan_kwargs
 from .vllm_worker import MTP_PREFIX, vllm_coords, vllm_names, vllm_spec
@@ -127,10 +128,11 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
     # -------------------------------------------------------------- vLLM API
     def init_transfer_engine(self, init_info) -> None:
         c = vllm_coords(self._view())
-        self.info = init_info
-        self.rank = int(init_info.rank_offset) + (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
-        if not 0 <= self.rank < init_info.world_size:
-            raise ReshardError(f"worker rank {self.rank} ({c}) is outside world_size {init_info.world_size}")
+        rank = engine_rank(init_info.rank_offset, (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"],
+                           init_info.world_size, f"worker ({c})")
+        check_join_args(init_info.init_method, init_info.world_size, rank, init_info.timeout_s,
+                        init_info.group_backend)
+        self.info, self.rank = init_info, rank
         self.group = join_group(init_info.init_method, int(init_info.world_size), self.rank,
                                 backend=init_info.group_backend, timeout_s=float(init_info.timeout_s))
         self.resharders, self.postload, self.written = {}, {}, set()

@@ -38,7 +38,7 @@ import torch
 from ..core.executor import ReshardError, dtype_name
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import engine_destination, join_group, join_refit, layout_spec, leave_group, timed_refit
+from .protocol import check_join_args, engine_destination, engine_rank, join_group, join_refit, layout_spec, leave_group, timed_refit
 from .vllm_postload import PostLoad
 
 MTP_PREFIX = "mtp."
@@ -157,9 +157,9 @@ class McoreReshardWorkerExtension:
         """Join the shared group (collective with the trainer ranks and every other worker) as
         ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``."""
         c = vllm_coords(self)
-        rank = int(rank_offset) + (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
-        if not 0 <= rank < world_size:
-            raise ReshardError(f"worker rank {rank} (rank_offset {rank_offset}, {c}) is outside world_size {world_size}")
+        rank = engine_rank(rank_offset, (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"], world_size,
+                           f"worker ({c})")
+        check_join_args(init_method, world_size, rank, timeout_s, backend)
         group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
         st = self._mr()
         st.update(group=group, rank=rank, world_size=int(world_size), rank_offset=int(rank_offset),

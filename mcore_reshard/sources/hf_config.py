@@ -113,6 +113,27 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+POSITIVE_FACTS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length")
+
+
+def _positive_int(value, what: str) -> int:
+    """``value`` as an integer >= 1, else :class:`HFConfigError` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HFConfigError(f"{what}={value!r}: must be an integer >= 1")
+    return value
+
+
+def _check_keywords(vocab_size, max_position_embeddings, rotary_base, tie_word_embeddings) -> None:
+    for what, v in (("vocab_size", vocab_size), ("max_position_embeddings", max_position_embeddings)):
+        if v is not None:
+            _positive_int(v, what)
+    if rotary_base is not None and (isinstance(rotary_base, bool) or not isinstance(rotary_base, (int, float))
+                                    or not math.isfinite(rotary_base) or rotary_base <= 0):
+        raise HFConfigError(f"rotary_base={rotary_base!r}: must be a finite number > 0")
+    if tie_word_embeddings is not None and not isinstance(tie_word_embeddings, bool):
+        raise HFConfigError(f"tie_word_embeddings={tie_word_embeddings!r}: must be True, False or None")
+
+
 def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddings: int | None = None,
                    rotary_base: float | None = None, tie_word_embeddings: bool | None = None) -> dict:
     """The facts about a Megatron model that decide its transformers config (JSON values).
@@ -122,6 +143,7 @@ def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddi
     and ``rotary_base`` (for non-MLA configs), ``max_position_embeddings`` (default 4096) and
     ``tie_word_embeddings`` (default False) come from the keywords.  ``vocab_size`` also names the
     real vocabulary of a model whose embedding is padded (the padding rows are not exported)."""
+    _check_keywords(vocab_size, max_position_embeddings, rotary_base, tie_word_embeddings)
     chunk = None
     if isinstance(model, (list, tuple)):
         if not model:
@@ -132,10 +154,15 @@ def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddi
         cfg = chunk.config
     else:
         cfg = model
+    if not all(hasattr(cfg, k) for k in ("num_layers", "hidden_size", "num_attention_heads")):
+        raise HFConfigError(f"model={type(model).__name__}: expected model chunks, a GPTModel or a TransformerConfig")
     f: dict[str, Any] = {k: _json(getattr(cfg, k, None)) for k in CONFIG_FIELDS}
     act = getattr(cfg, "activation_func", None)
     f["activation"] = getattr(act, "__name__", str(act))
     if chunk is not None:
+        if vocab_size is not None and vocab_size > chunk.vocab_size:
+            raise HFConfigError(f"vocab_size={vocab_size} is larger than the model's embedding ({chunk.vocab_size} rows): "
+                                "pass the real vocabulary of a padded embedding, at most its rows")
         rope = getattr(chunk, "rotary_pos_emb", None)
         f.update(vocab_size=vocab_size or chunk.vocab_size,
                  max_sequence_length=max_position_embeddings or chunk.max_sequence_length,
@@ -258,6 +285,14 @@ def hf_config_dict(facts: Mapping, family: str = "auto") -> dict:
 
     Raises :class:`HFConfigError` listing every Megatron setting the family's transformers model
     cannot express, each with the reason and the closest fix."""
+    if not isinstance(facts, Mapping):
+        raise HFConfigError(f"facts={type(facts).__name__}: expected the dict megatron_facts() returns")
+    for key in POSITIVE_FACTS:
+        if key not in facts:
+            raise HFConfigError(f"facts[{key!r}] is missing: pass the dict megatron_facts() returns")
+        _positive_int(facts[key], f"facts[{key!r}]")
+    if not isinstance(family, str):
+        raise HFConfigError(f"family={family!r}: must be a family name or 'auto'")
     family = _family_of(facts) if family == "auto" else family
     table = hf_table(family)
     requires = list(COMMON_REQUIRES) + list(table.get("require", ()))
@@ -305,8 +340,15 @@ def hf_config(model, family: str = "auto", **kw):
 def to_transformers(config: Mapping):
     """A ``config.json`` dict as a transformers config object."""
     from transformers import AutoConfig
+    if not isinstance(config, Mapping) or not isinstance(config.get("model_type"), str):
+        raise HFConfigError(f"config={config!r:.80}: expected a config.json dict with a 'model_type' string")
     d = dict(config)
-    return AutoConfig.for_model(d.pop("model_type"), **d)
+    model_type = d.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise HFConfigError(f"config: transformers has no config for model_type={model_type!r} with these fields: "
+                            f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
 __all__ = ["COMMON_REQUIRES", "HFConfigError", "hf_config", "hf_config_dict", "hf_table", "megatron_facts",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import statistics
 import sys
@@ -32,13 +33,27 @@ PRESETS = {
 }
 
 
+def _positive(kind):
+    """An argparse type: a finite number > 0 of ``kind`` (argparse's error then names the option)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+        return v
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", default="tp=2,ep=2,etp=1,pp=2", help="source layout (default: %(default)s)")
     p.add_argument("--dst", default="tp=4", help="destination layout (default: %(default)s)")
     p.add_argument("--colocated", action="store_true",
                    help="destination on the same ranks as the source (default: disaggregated, ranks after the source's)")
-    p.add_argument("--scale", type=int, default=1, help="multiply the synthetic model's widths by this (default: 1)")
-    p.add_argument("--budget-mib", type=float, default=256.0, help="staging budget per rank and round, MiB (default: 256)")
+    p.add_argument("--scale", type=_positive(int), default=1, help="multiply the synthetic model's widths by this (default: 1)")
+    p.add_argument("--budget-mib", type=_positive(float), default=256.0, help="staging budget per rank and round, MiB (default: 256)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="source dtype")
     p.add_argument("--dst-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="destination dtype (differs from --dtype: cast on the receiver)")
@@ -48,16 +63,36 @@ def _model_config(args):
     from .. import targets
     if args.config:
         with open(args.config) as f:
-            return targets.from_hf_config(json.load(f))
+            try:
+                config = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"--config {args.config}: not a JSON config: {e}") from None
+        return targets.from_hf_config(config)
     return getattr(targets, PRESETS[args.model])()
+
+
+def _check_layout_options(args) -> None:
+    """``--src`` / ``--dst`` parsed once up front, so that a bad string is an error naming its option."""
+    from . import layout_strings
+    for option, text in (("--src", args.src), ("--dst", args.dst)):
+        if not text.strip():
+            raise ValueError(f"{option}: empty layout string")
+        try:
+            layout_strings.parse(text)
+        except ValueError as e:
+            raise ValueError(f"{option} {text!r}: {e}") from None
 
 
 def _layouts(args, steps):
     """(source, destination) layouts for the plan/explain commands."""
+    _check_layout_options(args)
     if args.model == "synthetic" and not args.config:
         from .demo import build_layouts
         steps.step("synthetic layouts")
-        return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
+        try:
+            return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
+        except ValueError as e:   # the builder sees both strings: name the options it was given
+            raise ValueError(f"--src {args.src!r} / --dst {args.dst!r}: {e}") from None
     from . import layout_strings
     cfg = _model_config(args)
     src_spec, dst_spec = layout_strings.parse(args.src), layout_strings.parse(args.dst)
@@ -200,7 +235,7 @@ def cmd_explain(args) -> int:
     _, _, plan, _ = _plan(args)
     if args.name not in plan.tensors:
         close = [n for n in plan.tensors if args.name in n][:10]
-        print(f"error: no tensor {args.name!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""), file=sys.stderr)
+        print(f"mcore-reshard explain: error: argument name: no tensor {args.name!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""), file=sys.stderr)
         return 2
     meta = plan.tensors[args.name]
     print(f"{args.name}  shape {meta['shape']}  {meta['src_dtype']} -> {meta['dst_dtype']}")
@@ -219,6 +254,7 @@ def cmd_explain(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import demo_worker, world_needed
     from .launch import spawn
+    _check_layout_options(args)
     world = world_needed(args.src, args.dst, args.colocated)
     from ..util.progress import Steps
     with Steps(2, "demo") as steps:
@@ -258,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="reshard a synthetic model on local gloo processes and check it bit for bit")
     _add_layout_args(p)
-    p.add_argument("--reps", type=int, default=3, help="refits to run (new weights each time; default: 3)")
-    p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds (default: 600)")
+    p.add_argument("--reps", type=_positive(int), default=3, help="refits to run (new weights each time; default: 3)")
+    p.add_argument("--timeout", type=_positive(float), default=600, help="give up after this many seconds (default: 600)")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     p.set_defaults(func=cmd_demo)
     for name, func, text in (("plan", cmd_plan, "compute and summarise a plan (no processes, no data)"),
@@ -274,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "plan":
             p.add_argument("--out", help="write the plan as JSON to this file")
             p.add_argument("--heatmap", help="write the sender x receiver traffic heatmap as PNG to this file")
-            p.add_argument("--fp8", type=int, metavar="BLOCK", help="quantize in transit to block-FP8 with BLOCKxBLOCK "
+            p.add_argument("--fp8", type=_positive(int), metavar="BLOCK", help="quantize in transit to block-FP8 with BLOCKxBLOCK "
                            "scales (e.g. 128, DeepSeek-V3's format); prints assembly, FP8 and BF16 bytes")
             p.add_argument("--hardware", default="dgx_h100", choices=["dgx_h100", "gb200_nvl72", "gb200_nvl72_800g"],
                            help="hardware preset for the predicted refit time (default: dgx_h100)")
@@ -294,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, LayoutError, PlanError) as e:   # bad input: one clear line, no traceback
         print(f"mcore-reshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:       # a file named by an option (--config, --out, --heatmap) cannot be read or written
+        print(f"mcore-reshard {args.command}: error: {e.strerror or e}: {e.filename!r} (check --config / --out / "
+              f"--heatmap)", file=sys.stderr)
         return 2
 
 
