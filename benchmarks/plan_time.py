@@ -12,7 +12,7 @@ from the templates alone for a templated plan), and each as a ratio to the loop
 even where its rounds exceed ``ROUND_SLACK`` x the fewest possible (``templates="always"``).  ``--hash``: also the plan hash and
 its time.  ``--check``: also ``validate_plan`` of the busiest rank's part (with the part: what a
 ``Resharder`` does at bind on that rank).  ``--json-parts``: the layouts as ``MegatronRefit`` gets them, one JSON part per rank merged by
-``refit._merge`` (``merge_s``), before planning.  ``first_fit``: the C kernel's
+``core.layout.merge_layouts`` (``merge_s``), before planning.  ``first_fit``: the C kernel's
 (:mod:`mcore_reshard.core.planner.fastfit`) or the Python reference's (``MCORE_RESHARD_PURE_PYTHON=1``).
 ``--whole`` (templated plans): also, last, every rank's
 views made and that rank checked against the whole plan (what binding cost before parts), its
@@ -65,13 +65,12 @@ def build(name: str):
 
 def via_json(layout):
     """``layout`` as ``MegatronRefit`` sees it: one JSON part per rank (what each rank sends), merged
-    by ``refit._merge``; (the layout, seconds to merge)."""
+    by ``core.layout.merge_layouts``; (the layout, seconds to merge)."""
     import json
-    from mcore_reshard.core.layout import Layout
-    from mcore_reshard.refit import _merge
+    from mcore_reshard.core.layout import Layout, merge_layouts
     parts = [json.loads(json.dumps(Layout(layout.tensors, {r: bufs}).to_json())) for r, bufs in layout.buffers.items()]
     t0 = time.perf_counter()
-    merged = _merge(parts)
+    merged = merge_layouts(parts)
     return merged, time.perf_counter() - t0
 
 

@@ -1,4 +1,4 @@
-"""The collective part of the integration-level contract suite (tests/test_contract_integrations.py):
+"""The collective part of the integration-level contract suite (tests/integrations/test_contract_integrations.py):
 ``export_hf``, ``join_refit`` and ``Fp8Resharder``'s arguments x each class of bad value, every rank
 passing the same bad value, one 2-rank gloo launch, each case on a fresh group (timeout 10 s).
 
@@ -102,7 +102,7 @@ def _fp8_setup(rank):
 
 
 def collective_cases(rank: int, world: int) -> dict:
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron_refit_worker import _build
     from mcore_reshard import export_hf
     from mcore_reshard.core.planner import make_plan

@@ -1,4 +1,4 @@
-"""Workers of tests/test_fault_matrix.py: each collective step x each fault on one rank of 2 gloo ranks.
+"""Workers of tests/core/executor/test_fault_matrix.py: each collective step x each fault on one rank of 2 gloo ranks.
 
 Steps (in a call's order): ``join`` (``integrations.protocol.join_group`` beside the default group),
 ``metadata`` (``join_refit``'s exchange of layout parts), ``handshake`` (``Resharder(...)``), ``start``
@@ -6,7 +6,7 @@ Steps (in a call's order): ``join`` (``integrations.protocol.join_group`` beside
 ``export_write`` (``export_hf``'s writer writing a shard).  Faults: ``raise`` (an exception),
 ``kbint`` (KeyboardInterrupt), ``sigstop`` (the victim stops; the survivor continues it once it has
 raised), ``late`` (the victim enters the step ``T + 1`` s after its peer), ``sigkill`` (one launch per
-step: :func:`killed_at`).  Injection is from outside the library, as in tests/adversarial_workers.py:
+step: :func:`killed_at`).  Injection is from outside the library, as in tests/helpers/adversarial_workers.py:
 before the step's call, or inside it by wrapping the ``torch.distributed`` call the step makes.
 
 Every case records, on every rank: what was raised (type, message, MRO), seconds from entering the
@@ -62,7 +62,7 @@ def _record(fn) -> dict:
 
 
 def _export_chunks():
-    import mcore_cpu
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron_refit_worker import _build
     mcore_cpu.install_cpu_shims()
     return _build("gqa", {"tp": 2}, torch.float32, {})

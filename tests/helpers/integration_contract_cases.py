@@ -1,4 +1,4 @@
-"""The integration-level contract cases (tests/test_contract_integrations.py), as a table: each
+"""The integration-level contract cases (tests/integrations/test_contract_integrations.py), as a table: each
 public argument of ``hf_config`` / ``hf_config_dict`` / ``megatron_facts`` / ``to_transformers``,
 ``integrations.protocol``, the vLLM worker extension and weight-transfer engine (their own
 validation, on a stand-in worker: no vLLM needed), the SGLang loader, and the CLI, x each class of

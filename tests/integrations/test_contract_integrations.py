@@ -1,8 +1,8 @@
-"""The contract suite at the integration level, generated from tests/integration_contract_cases.py:
+"""The contract suite at the integration level, generated from tests/helpers/integration_contract_cases.py:
 each public argument of ``hf_config`` and its helpers, ``integrations.protocol``, the vLLM worker
 extension and weight-transfer engine (their own validation, on a stand-in worker), the SGLang
 loader and the CLI x each class of bad value that applies, in process; ``export_hf``, ``join_refit``
-and FP8 in transit (``Fp8Resharder``) in one 2-rank gloo launch (tests/collective_contract_workers.py).
+and FP8 in transit (``Fp8Resharder``) in one 2-rank gloo launch (tests/helpers/collective_contract_workers.py).
 
 A case passes when it is ``refused`` (the library's own error types, or a ValueError / TypeError
 naming the argument; the CLI: exit code 2 and a message naming the option, no traceback) or

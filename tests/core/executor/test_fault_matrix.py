@@ -1,7 +1,7 @@
 """The fault x collective-step matrix, generated: each collective step (group join, metadata exchange,
 handshake, refit start, a round, confirmation, export write) x each fault (exception,
 KeyboardInterrupt, SIGSTOP, late join; SIGKILL in launches of its own) on one rank of 2 gloo ranks,
-the victim alternating between the ranks (tests/fault_matrix_workers.py).
+the victim alternating between the ranks (tests/helpers/fault_matrix_workers.py).
 
 The survivor's outcome: ``raised`` -- an error of the library's own types (ReshardError,
 TransferError, ...) within the step's deadline (``T`` + margin for a join / exchange / handshake,
