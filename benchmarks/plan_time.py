@@ -51,8 +51,8 @@ def loop_s() -> tuple[float, float]:
 def build(name: str):
     from mcore_reshard.targets import dsv3_671b
     if name == "fp8_tp8":
-        from mcore_reshard.fp8.layout import fp8_target
-        from mcore_reshard.fp8.plan import quantized_tensors
+        from mcore_reshard.fp8.quant_layout import fp8_target
+        from mcore_reshard.fp8.quant_plan import quantized_tensors
         from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
         from mcore_reshard.targets import vllm_layout
         cfg = dsv3_671b()
@@ -89,7 +89,7 @@ def run(name: str, classic: bool, want_hash: bool, check: bool, always: bool = F
     reset_peak()
     c0, w0 = time.process_time(), time.perf_counter()
     if name == "fp8_tp8":
-        from mcore_reshard.fp8.plan import make_fp8_plan
+        from mcore_reshard.fp8.quant_plan import make_fp8_plan
         plan = make_fp8_plan(src, dst, (128, 128), budget_bytes=BUDGET, allow_cast=True, ignore_unused=True)
     else:
         plan = make_plan(src, dst, budget_bytes=BUDGET, ignore_unused=True,

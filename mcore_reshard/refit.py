@@ -24,7 +24,7 @@ for a transformers model) are dropped only with ``ignore_unused=True`` and liste
 FP8 in transit: ``target=(fp8_layout, tensors), quantize=Fp8(block=(128, 128))`` with
 ``fp8_layout = fp8_target(bf16_layout, quantized_tensors(bf16_layout), block)``: BF16 shards are
 quantized per block of the global tensor, each block once, and sent as e4m3 bytes plus fp32 scales
-(:mod:`mcore_reshard.fp8.plan`); ``plan`` is then an ``Fp8Plan`` whose stats hold the assembly,
+(:mod:`mcore_reshard.fp8.quant_plan`); ``plan`` is then an ``Fp8Plan`` whose stats hold the assembly,
 FP8 and the plain BF16 refit's bytes side by side.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from .core.executor import GatherChecked, ReshardError, Resharder, all_or_none
 from .core.executor.common import check_timeout
 from .mapper.family import canonicalize, load_family
-from .fp8.plan import make_fp8_plan
-from .fp8.refit import Fp8Resharder
+from .fp8.quant_plan import make_fp8_plan
+from .fp8.quant_resharder import Fp8Resharder
 from .core.layout import Layout, merge_layouts
 from .sources.megatron_model import family_for, model_config, read_layout
 from .core.planner import DEFAULT_BUDGET, check_budget, make_plan

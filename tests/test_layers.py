@@ -20,9 +20,9 @@ PKG = Path(__file__).resolve().parents[1] / "mcore_reshard"
 # dtensor_reshard).
 LAYERS = {
     1: ("layout descriptors", [("core.box", "core.mesh"), ("core.layout",), ("core.dtensor",), ("sources",)]),
-    2: ("mapper", [("mapper", "targets"), ("fp8.layout", "sources.hf_config")]),
-    3: ("planner", [("core.planner",), ("fp8.regions",), ("fp8.groups",), ("fp8.shared",), ("fp8.plan",)]),
-    4: ("executor", [("core.executor",), ("fp8.refit",)]),
+    2: ("mapper", [("mapper", "targets"), ("fp8.quant_layout", "sources.hf_config")]),
+    3: ("planner", [("core.planner",), ("fp8.regions",), ("fp8.groups",), ("fp8.shared",), ("fp8.quant_plan",)]),
+    4: ("executor", [("core.executor",), ("fp8.quant_resharder",)]),
     5: ("integrations", [("refit", "dtensor_reshard", "integrations", "sources.megatron_dtensor"), ("export",)]),
 }
 # under every layer, importing nothing of the package: utilities with no resharding logic, and the
@@ -31,7 +31,7 @@ UNDER = ("util", "core.gcpause", "core", "fp8")
 # not the library: may import it, never imported by it; testing never imports tools
 OUTSIDE = ("tools", "testing")
 # pure metadata: no torch at all (the planner layer and everything it reads)
-PURE = ("core.box", "core.mesh", "core.layout", "core.planner", "mapper", "targets", "fp8.layout", "fp8.plan", "fp8.shared",
+PURE = ("core.box", "core.mesh", "core.layout", "core.planner", "mapper", "targets", "fp8.quant_layout", "fp8.quant_plan", "fp8.shared",
         "fp8.groups", "fp8.regions")
 # the only places that call point-to-point operations: the executor, the benchmark's baseline, and the
 # tiny test models' pipeline-parallel forward (activations, not weights)

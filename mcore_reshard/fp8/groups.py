@@ -11,7 +11,7 @@ from ..core.box import Box
 from ..core.layout import Buffer, Layout, Piece, itemsize
 from ..core.planner import Plan, PlanError, make_plan
 from ..core.planner.plan import align
-from .layout import FP8, SCALE_DTYPE, scale_name, scale_shape
+from .quant_layout import FP8, SCALE_DTYPE, scale_name, scale_shape
 from .regions import Region, _nbytes, _share_temps, _temp_buffers
 
 
@@ -175,7 +175,7 @@ def _whole_components(dst: Layout, quantized: set[str], by_tensor: dict, asm_isz
 def _chunks(src: Layout, dst: Layout, block: tuple[int, int], split: set[str], by_tensor: dict, asm_isz: dict,
             base_of: dict) -> _Chunks:
     """Step 2: chunks of split tensors, memory per rank, joined when they share a destination slab."""
-    from .layout import _dim_map
+    from .quant_layout import _dim_map
     ch = _Chunks()
     node = ch.node
     for n in sorted(split):

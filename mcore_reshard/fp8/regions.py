@@ -10,7 +10,7 @@ from ..core.layout import Buffer, Layout, Piece, itemsize
 from ..core.planner import PlanError
 from ..core.planner.plan import align
 from ..core.planner.index import atoms, source_index
-from .layout import FP8, SCALE_DTYPE, scale_name
+from .quant_layout import FP8, SCALE_DTYPE, scale_name
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from ..core.planner import Message, Plan, PlanError
 from ..core.planner.plan import make_copy
 from ..core.planner.forms import MARK, layer_number
 from .groups import Fp8Group
-from .layout import scale_name
+from .quant_layout import scale_name
 from .regions import Region
 
 

@@ -9,7 +9,7 @@ Tables live in ``layouts/<family>.toml`` (shipped as ``mcore_reshard.layouts``).
 * ``ignore``: regexes of keys that carry no weights for inference;
 * ``[fp8]`` (optional): ``not_quantized`` regexes of canonical tensors a block-FP8 checkpoint keeps
   in high precision, ``halves`` regexes of ``[gate; up]`` tensors quantized half by half, the
-  default ``block`` (see :mod:`mcore_reshard.fp8.layout`).
+  default ``block`` (see :mod:`mcore_reshard.fp8.quant_layout`).
 
 Each entry has ``megatron``, ``hf`` (one name or a list) and a ``rule``:
 

@@ -146,8 +146,8 @@ def _plan(args):
 
 def cmd_plan_fp8(args) -> int:
     """``plan --fp8 128``: the destination in block-FP8 (scales included), quantized in transit."""
-    from ..fp8.layout import fp8_target
-    from ..fp8.plan import make_fp8_plan, quantized_tensors
+    from ..fp8.quant_layout import fp8_target
+    from ..fp8.quant_plan import make_fp8_plan, quantized_tensors
     from ..util.progress import Steps
     if args.model == "synthetic" and not args.config:
         raise ValueError("--fp8 needs a model preset or --config (which tensors are quantized is family knowledge)")

@@ -82,8 +82,8 @@ def _export_value(arg, kind, rank, tmp):
 def _fp8_setup(rank):
     from mcore_reshard.core.box import Box
     from mcore_reshard.core.layout import Buffer, Layout, Piece
-    from mcore_reshard.fp8.layout import fp8_target
-    from mcore_reshard.fp8.plan import make_fp8_plan
+    from mcore_reshard.fp8.quant_layout import fp8_target
+    from mcore_reshard.fp8.quant_plan import make_fp8_plan
     src, dst = Layout(), Layout()
     for lay in (src, dst):
         lay.add_tensor("a.weight", (16, 16), "bfloat16")
@@ -106,7 +106,7 @@ def collective_cases(rank: int, world: int) -> dict:
     from megatron_refit_worker import _build
     from mcore_reshard import export_hf
     from mcore_reshard.core.planner import make_plan
-    from mcore_reshard.fp8.refit import Fp8Resharder
+    from mcore_reshard.fp8.quant_resharder import Fp8Resharder
     from mcore_reshard.integrations.protocol import join_refit, rank_part
     from mcore_reshard.tools.demo import build_layouts
     from mcore_reshard.tools.synthetic import reference_tensor

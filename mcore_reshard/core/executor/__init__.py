@@ -39,7 +39,7 @@ Units (no cycles; each imports only those above it):
 * :mod:`.common` -- dtype names, wire constants, the group's device, bounded waits;
 * :mod:`.checksum` -- verify-mode checksums, :func:`digest_of`;
 * :mod:`.handshake` -- :func:`agree`, the refit start, control messages, :func:`all_gather_json`, the per-group guard;
-* :mod:`.validation` -- tensors vs plan, aliasing, the plan's own checks;
+* :mod:`.preflight` -- tensors vs plan, aliasing, the plan's own checks;
 * :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
 * :mod:`.owners` -- the tensor objects bound and their storage, checked at each refit (``param.data`` rebound);
 * :mod:`.rounds` -- the batched (chunked, pipelined) and overlapped round paths, pack / unpack;

@@ -18,7 +18,7 @@ from .errors import ReshardError
 from .handshake import agree, group_guard
 from .owners import Owners, describe, is_dtensor, record, storage_of
 from .transfer import Refit
-from .validation import check_aliasing, check_arguments, check_binding, member_rank, own_part
+from .preflight import check_aliasing, check_arguments, check_binding, member_rank, own_part
 
 
 class Resharder:

@@ -23,8 +23,8 @@ Example, one ``[4, 2]`` float32 tensor, source tp=2 on ranks 0-1, destination un
 
 Modules: :mod:`.plan` (plan data, JSON, hash), :mod:`.index` (source index, checks),
 :mod:`.matching` (destination pieces against source boxes), :mod:`.senders` (replica choice),
-:mod:`.rounds` (round packing and messages), :mod:`.stats` (per-rank parts, totals),
-:mod:`.validate` (self-consistency of a received plan), :mod:`.templates` (layers planned once per
+:mod:`.packing` (round packing and messages), :mod:`.stats` (per-rank parts, totals),
+:mod:`.plan_check` (self-consistency of a received plan), :mod:`.templates` (layers planned once per
 geometry) and :mod:`.placement` (their messages into rounds), :mod:`.topology` (two-level plans).
 Import from this package.
 """
@@ -38,12 +38,12 @@ from ..layout import Layout
 from .index import _check_tensors, source_index
 from .matching import local_mapper, match
 from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, CopyPlan, Message, Plan, PlanError, StoredPlan, check_budget
-from .rounds import _pack_rounds
+from .packing import _pack_rounds
 from .senders import choose_senders
 from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
 from .topology import COPY_SHARE, Topology, link_stats, plan_forwarding, split_unstaged
-from .validate import validate_plan
+from .plan_check import validate_plan
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,

@@ -13,7 +13,7 @@ from collections.abc import Generator, Mapping
 from operator import add
 
 from . import fastfit
-from .rounds import RoundFill
+from .packing import RoundFill
 
 WAVE_SLACK = 1.1     # a first order needing more than this x the fewest rounds: the other order is tried too
 

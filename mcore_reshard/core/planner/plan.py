@@ -150,7 +150,7 @@ def malformed(field: str):
 @runtime_checkable
 class StoredPlan(Protocol):
     """What every kind of plan offers (:class:`Plan`, :class:`~.templates.TemplatedPlan`,
-    :class:`mcore_reshard.fp8.plan.Fp8Plan`): its JSON (``to_json``, ``dumps``; read back by the
+    :class:`mcore_reshard.fp8.quant_plan.Fp8Plan`): its JSON (``to_json``, ``dumps``; read back by the
     kind's ``from_json``), the sha256 ``hash`` every rank compares before anything moves, a
     ``summary`` for people and its ``stats``."""
     stats: dict

@@ -1,6 +1,6 @@
 """``python -m mcore_reshard.tools.bench``."""
 import sys
 
-from .cli import main
+from .options import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ cannot tell one source region from another of the same squeezed shape (``[0:2, 0
 ``[0:1, 0:2, 0:2]`` of a ``[2, 2, 2]`` buffer), its layouts can.
 
 * ``test_tampered_plans_in_process`` (hypothesis, no processes): the executor's own checks
-  (``validation.check_binding``, per rank) decide refuse / accept; an accepted plan is applied by
+  (``preflight.check_binding``, per rank) decide refuse / accept; an accepted plan is applied by
   a mirror of the executor (``plan_mutations.simulate``) and compared with the reference.
 * ``test_seeded_tampering_is_mostly_refused``: a fixed seeded batch, so that the mutations are
   known to bite (most refused) and the property above is not vacuous.
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import adversarial_workers as aw
 import plan_mutations
-from mcore_reshard.core.executor import validation
+from mcore_reshard.core.executor import preflight
 from mcore_reshard.core.planner import Plan, PlanError, make_plan
 from partial_launch import spawn_ok
 
@@ -51,11 +51,11 @@ def _verdict(pj: dict, src=SRC, dst=DST, full=FULL, world: int = 2) -> tuple[str
     ranks = range(world)
     S = {r: aw.cut(src, r, full) for r in ranks}
     D = {r: aw.cut(dst, r, full, fill=7) for r in ranks}
-    with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
+    with mock.patch.object(preflight.dist, "get_backend", lambda g=None: "gloo"):
         for r in ranks:
             try:    # as the Resharder does: a templated plan is checked (and bound) through r's own part
-                part, errs = validation.own_part(plan, r)
-                errs = errs or validation.check_binding(part, r, world, None, S[r], D[r], None, layouts=(src, dst),
+                part, errs = preflight.own_part(plan, r)
+                errs = errs or preflight.check_binding(part, r, world, None, S[r], D[r], None, layouts=(src, dst),
                                                         ranks=plan.ranks)
             except Exception as e:  # noqa: BLE001 - a check that crashes is a defect, not a refusal
                 return "WRONG", f"validation crashed on rank {r}: {type(e).__name__}: {e}"

@@ -5,7 +5,7 @@ its instances (template id, layer numbers, rank map), of its round placement and
 The documented outcome, as for copy-by-copy plans: refused before any byte moves (``Plan.from_json``
 raises, or the executor's own checks on some rank -- the same error on every rank after the
 handshake), or a refit whose destination is bit-exact.  Never success with wrong bytes.  Checked in
-process: ``validation.check_binding`` on every rank decides, an accepted plan is applied by
+process: ``preflight.check_binding`` on every rank decides, an accepted plan is applied by
 ``plan_mutations.simulate`` (a mirror of the executor) and compared with the reference.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from mcore_reshard.core.planner import fastfit, make_plan
 from mcore_reshard.core.planner import placement as P
-from mcore_reshard.core.planner.rounds import RoundFill
+from mcore_reshard.core.planner.packing import RoundFill
 from test_planner_roundfill import calls_st, plain_first_fit, random_templated
 
 ck = fastfit.cfit
@@ -195,7 +195,7 @@ copies_st = st.lists(st.tuples(st.integers(1, 200), st.integers(0, 5), st.intege
 def test_fit_copies_places_as_the_python_first_fit(raw, budget, split):
     # copies (-bytes, src, dst, sequence number, the rest unused), split (sorted first) or not (grouped by
     # (-bytes, src, dst) in sequence order): the same (round, src, dst) -> copies, in the same order
-    from mcore_reshard.core.planner import rounds as R
+    from mcore_reshard.core.planner import packing as R
     from mcore_reshard.core.planner.senders import Copies
 
     def make():

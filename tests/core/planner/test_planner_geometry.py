@@ -13,7 +13,7 @@ from mcore_reshard.core.layout import Buffer, Layout, Piece
 from mcore_reshard.core.planner import make_plan
 from mcore_reshard.core.planner.index import _check_tensors, source_index
 from mcore_reshard.core.planner.matching import local_mapper, match
-from mcore_reshard.core.planner.rounds import _pack_rounds
+from mcore_reshard.core.planner.packing import _pack_rounds
 from mcore_reshard.core.planner.senders import choose_senders
 
 from test_planner_properties import cases, check_plan
@@ -150,7 +150,7 @@ def reference_placement(templates, instances, budget, waves):
     ``placement._place_counted`` (tuples, not packed ints): placement, rounds, staging totals."""
     from collections import defaultdict
 
-    from mcore_reshard.core.planner.rounds import RoundFill
+    from mcore_reshard.core.planner.packing import RoundFill
     items = []
     for i, (tid, _, ranks) in enumerate(instances):
         t = templates[tid]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from mcore_reshard.core.planner.rounds import RoundFill
+from mcore_reshard.core.planner.packing import RoundFill
 
 
 def plain_first_fit(budget: int, calls: list[tuple[int, int, int, int]]) -> list[tuple[int, int]]:

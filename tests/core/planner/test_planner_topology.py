@@ -367,14 +367,14 @@ def test_unstaged_views_checked_at_bind():
     as an inconsistent plan; a sound unstaged message whose source tensor is not contiguous here
     (a transposed view of the right shape) is refused naming tensor, buffer, rank and shape."""
     from unittest import mock
-    from mcore_reshard.core.executor import validation
+    from mcore_reshard.core.executor import preflight
     from mcore_reshard.tools.synthetic import materialize
     src, dst, bad, m = _tampered_unstaged()
     full = random_full(src)
     S = {r: materialize(src, r, full) for r in range(4)}
     D = {r: materialize(dst, r, full) for r in range(4)}
-    with mock.patch.object(validation.dist, "get_backend", lambda g=None: "gloo"):
-        errs = validation.check_binding(bad, m.src, 4, None, S[m.src], D[m.src], None)
+    with mock.patch.object(preflight.dist, "get_backend", lambda g=None: "gloo"):
+        errs = preflight.check_binding(bad, m.src, 4, None, S[m.src], D[m.src], None)
         assert any("plan is inconsistent" in e and "not contiguous" in e for e in errs), errs
         # one domain: every copy unstaged, the source w on rank 0 read straight from the tensor
         s1, d1 = _replicated_case()
@@ -382,11 +382,11 @@ def test_unstaged_views_checked_at_bind():
         full = random_full(s1)
         S1 = {r: materialize(s1, r, full) for r in range(6)}
         D1 = {r: materialize(d1, r, full) for r in range(6)}
-        assert validation.check_binding(plan, 0, 6, None, S1[0], D1[0], None) == []
+        assert preflight.check_binding(plan, 0, 6, None, S1[0], D1[0], None) == []
         w = S1[0]["w"]
         S1[0]["w"] = w.t().contiguous().t()        # same shape and values, column-major
         assert not S1[0]["w"].is_contiguous()
-        errs = validation.check_binding(plan, 0, 6, None, S1[0], D1[0], None)
+        errs = preflight.check_binding(plan, 0, 6, None, S1[0], D1[0], None)
         assert errs and all("unstaged message 0->" in e and "src tensor w [4, 6] float32" in e
                             and "not contiguous" in e and e.startswith("rank 0:") for e in errs), errs
 

@@ -1,7 +1,7 @@
 """Quantization plan: BF16 source shards -> block-FP8 target shards (pure: no torch).
 
 ``make_fp8_plan(src, dst, block)`` takes a BF16 (or fp32) source layout and an FP8 target layout
-(:func:`mcore_reshard.fp8.layout.fp8_target`) and decides, for every quantized tensor, which rank
+(:func:`mcore_reshard.fp8.quant_layout.fp8_target`) and decides, for every quantized tensor, which rank
 quantizes which 128x128 block -- each block exactly once -- and how the results travel:
 
 * **ownership**: a block lying wholly inside one source box is quantized by one of that box's
@@ -12,7 +12,7 @@ quantizes which 128x128 block -- each block exactly once -- and how the results 
 * **stage A (assembly)**: cut blocks are gathered on their owner into temporary buffers by an
   ordinary :func:`~mcore_reshard.core.planner.make_plan` (its network bytes are the assembly cost; the
   owner's own part is a local copy);
-* **quantize** on the owner (executor: :mod:`mcore_reshard.fp8.refit`) into temporary FP8 and
+* **quantize** on the owner (executor: :mod:`mcore_reshard.fp8.quant_resharder`) into temporary FP8 and
   fp32-scale buffers, one pair per owned region;
 * **stage B**: an ordinary ``make_plan`` from those temporaries (a "quantized source layout") to the
   target's weight and ``weight_scale_inv`` shards;
@@ -59,7 +59,7 @@ from ..core.layout import Buffer, Layout, itemsize
 from ..core.planner import DEFAULT_BUDGET, Plan, PlanError, check_budget, make_plan
 from ..core.planner.index import source_index
 from .groups import Fp8Group, _make_groups, _split_names
-from .layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
+from .quant_layout import SCALE_DTYPE, bf16_target, check_block, quantized_of, scale_name, scale_shape
 from .regions import Region, _nbytes, plan_regions, restrict
 from .shared import LayerGroups, split_layers
 

@@ -1,4 +1,4 @@
-"""Executor of an FP8 plan (:mod:`mcore_reshard.fp8.plan`): BF16 source shards in, block-FP8
+"""Executor of an FP8 plan (:mod:`mcore_reshard.fp8.quant_plan`): BF16 source shards in, block-FP8
 weights and fp32 ``weight_scale_inv`` written into the target's existing tensors.
 
 ``Fp8Resharder(plan, src, dst, group)`` is collective (like :class:`~mcore_reshard.core.executor.Resharder`,
@@ -32,8 +32,8 @@ from typing import Mapping
 import torch
 
 from ..core.executor import ReshardError, Resharder, agree, staging_size, torch_dtype
-from .layout import DEFAULT_BLOCK, FP8_MAX
-from .plan import Fp8Plan
+from .quant_layout import DEFAULT_BLOCK, FP8_MAX
+from .quant_plan import Fp8Plan
 
 _CHUNK_ELEMS = 1 << 22      # fp32 elements of one quantization temporary (16 MiB)
 
@@ -89,7 +89,7 @@ def _mismatches(tensors: Mapping[str, torch.Tensor], specs: Mapping, side: str, 
 
 
 class Fp8Resharder:
-    """Binds an :class:`~mcore_reshard.fp8.plan.Fp8Plan` to this rank's tensors (collective).
+    """Binds an :class:`~mcore_reshard.fp8.quant_plan.Fp8Plan` to this rank's tensors (collective).
 
     ``src``: this rank's source buffers (BF16 or fp32); ``dst``: its target buffers of the FP8
     layout (``float8_e4m3fn`` weights, fp32 ``*_scale_inv``, and the unquantized ones).  Options
