@@ -79,6 +79,7 @@ def _timed(fn, reps: int) -> tuple[float, float]:
 def _worker(rank: int, world: int, n: int, rows: int, cols: int, reps: int) -> dict:
     import torch
     import torch.distributed as dist
+
     import mcore_reshard
     import mcore_reshard.dtensor_reshard
     out = {}

@@ -20,8 +20,9 @@ sys.path[:0] = [os.path.join(HERE, "..", "tests", "helpers"), os.path.join(HERE,
 
 if __name__ == "__main__":
     import hf_export_worker
-    from mcore_reshard.testing.megatron_cpu import spawn
     from test_hf_export import DSV3, WIDE
+
+    from mcore_reshard.testing.megatron_cpu import spawn
 
     sizes = [int(a) for a in sys.argv[1:]] or [4 << 20, 16 << 20, 1 << 30]
     for m in sizes:   # one launch per size: fresh writer processes, so no size inherits another's freed memory

@@ -67,6 +67,7 @@ def via_json(layout):
     """``layout`` as ``MegatronRefit`` sees it: one JSON part per rank (what each rank sends), merged
     by ``core.layout.merge_layouts``; (the layout, seconds to merge)."""
     import json
+
     from mcore_reshard.core.layout import Layout, merge_layouts
     parts = [json.loads(json.dumps(Layout(layout.tensors, {r: bufs}).to_json())) for r, bufs in layout.buffers.items()]
     t0 = time.perf_counter()

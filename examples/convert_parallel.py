@@ -17,9 +17,10 @@ import sys
 
 def run(rank: int, world: int, src: str, dst: str) -> dict:
     import torch
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron.core import parallel_state as ps
+
     from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
 
     def init(text):
         s = {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}

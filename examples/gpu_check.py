@@ -110,9 +110,10 @@ def _bit_exact(layout, rank: int, full: dict, got: dict) -> tuple[int, int]:
 
 def worker(rank: int, world: int, scale: int, reps: int, budget: int) -> dict:
     import torch.distributed as dist
-    from mcore_reshard.tools.demo import build_layouts
+
     from mcore_reshard.core.executor import Resharder
     from mcore_reshard.core.planner import make_plan
+    from mcore_reshard.tools.demo import build_layouts
     from mcore_reshard.tools.synthetic import materialize, reference_tensor
     if _DEVICE == "cuda":
         torch.cuda.set_device(0)

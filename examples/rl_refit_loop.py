@@ -23,9 +23,10 @@ import time
 
 def run(rank: int, world: int, steps: int, colocated: bool, train: str, infer: str) -> dict:
     import torch
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron.core import parallel_state as ps
+
     from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
 
     def sizes(text):
         return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}

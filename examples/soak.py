@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mcore_reshard.tools.demo import build_layouts, world_needed  # noqa: E402
 from mcore_reshard.core.executor import Resharder, digest_of  # noqa: E402
-from mcore_reshard.tools.launch import spawn  # noqa: E402
-from mcore_reshard.util.memstat import status_kb  # noqa: E402
 from mcore_reshard.core.planner import make_plan  # noqa: E402
+from mcore_reshard.tools.demo import build_layouts, world_needed  # noqa: E402
+from mcore_reshard.tools.launch import spawn  # noqa: E402
 from mcore_reshard.tools.synthetic import materialize  # noqa: E402
+from mcore_reshard.util.memstat import status_kb  # noqa: E402
 
 
 def _median_growth(samples: list) -> int:

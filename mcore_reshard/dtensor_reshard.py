@@ -41,11 +41,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import Partial
 
 from .core.dtensor import Replicate, Shard, _StridedShard, buffer_for
-from .core.executor import ReshardError, Resharder, all_gather_json, all_or_none
+from .core.executor import Resharder, ReshardError, all_gather_json, all_or_none
 from .core.executor.common import check_timeout, dtype_name
 from .core.executor.handshake import _checkin, exchange, missing_ranks
 from .core.layout import Layout

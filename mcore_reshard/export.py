@@ -40,14 +40,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .core.executor import GatherChecked, ReshardError, Resharder, all_gather_json, all_or_none, dtype_name, torch_dtype
-from .mapper.family import canonicalize, load_family
+from .core.executor import GatherChecked, Resharder, ReshardError, all_gather_json, all_or_none, dtype_name, torch_dtype
 from .core.layout import Buffer, Layout, merge_layouts
-from .util.memstat import peak_bytes, reset_peak, rss_bytes
-from .sources.megatron_model import family_for, model_config, read_layout
 from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
-from .util.progress import bar
+from .mapper.family import canonicalize, load_family
 from .refit import agreed_config
+from .sources.megatron_model import family_for, model_config, read_layout
+from .util.memstat import peak_bytes, reset_peak, rss_bytes
+from .util.progress import bar
 
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")

@@ -34,14 +34,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .core.executor import GatherChecked, ReshardError, Resharder, all_or_none
+from .core.executor import GatherChecked, Resharder, ReshardError, all_or_none
 from .core.executor.common import check_timeout
-from .mapper.family import canonicalize, load_family
+from .core.layout import Layout, merge_layouts
+from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
 from .fp8.quant_plan import make_fp8_plan
 from .fp8.quant_resharder import Fp8Resharder
-from .core.layout import Layout, merge_layouts
+from .mapper.family import canonicalize, load_family
 from .sources.megatron_model import family_for, model_config, read_layout
-from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
 
 ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank",

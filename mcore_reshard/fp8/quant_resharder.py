@@ -31,7 +31,7 @@ from typing import Mapping
 
 import torch
 
-from ..core.executor import ReshardError, Resharder, agree, staging_size, torch_dtype
+from ..core.executor import Resharder, ReshardError, agree, staging_size, torch_dtype
 from .quant_layout import DEFAULT_BLOCK, FP8_MAX
 from .quant_plan import Fp8Plan
 

@@ -8,8 +8,8 @@ from typing import Mapping, Sequence
 from ..core.box import Box, split_sizes, subtract
 from ..core.layout import Buffer, Layout, Piece, itemsize
 from ..core.planner import PlanError
-from ..core.planner.plan import align
 from ..core.planner.index import atoms, source_index
+from ..core.planner.plan import align
 from .quant_layout import FP8, SCALE_DTYPE, scale_name
 
 

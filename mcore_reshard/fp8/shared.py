@@ -28,12 +28,11 @@ from typing import Iterator, Sequence
 from ..core.gcpause import paused_gc
 from ..core.layout import Buffer, Layout
 from ..core.planner import Message, Plan, PlanError
-from ..core.planner.plan import make_copy
 from ..core.planner.forms import MARK, layer_number
+from ..core.planner.plan import make_copy
 from .groups import Fp8Group
 from .quant_layout import scale_name
 from .regions import Region
-
 
 _NONE = object()        # a piece of neither a quantized nor a kept tensor (an unused source tensor)
 _REST = object()        # a piece of a tensor of the ordinary plan

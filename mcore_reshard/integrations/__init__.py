@@ -12,8 +12,17 @@
 Nothing here imports vLLM or SGLang at import time.  See ``docs/engines.md``.
 """
 from .hooks import DERIVED, POST_REFIT, PostRefitError, run_post_refit
-from .protocol import (build_layout, check_tensors, join_group, join_refit, layout_spec, leave_group, live_tensors,
-                       megatron_source, rank_part)
+from .protocol import (
+                       build_layout,
+                       check_tensors,
+                       join_group,
+                       join_refit,
+                       layout_spec,
+                       leave_group,
+                       live_tensors,
+                       megatron_source,
+                       rank_part,
+)
 
 __all__ = ["DERIVED", "POST_REFIT", "PostRefitError", "build_layout", "check_tensors", "join_group", "join_refit",
            "layout_spec", "leave_group", "live_tensors", "megatron_source", "rank_part", "run_post_refit"]

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..core.executor import ReshardError, Resharder, all_gather_json, all_or_none, dtype_name
+from ..core.executor import Resharder, ReshardError, all_gather_json, all_or_none, dtype_name
 from ..core.layout import Layout, LayoutError, merge_layouts
 from ..core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
 

@@ -43,8 +43,17 @@ import torch.distributed as dist
 from ..core.executor import ReshardError, dtype_name
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (check_join_args, engine_destination, engine_rank, join_group, join_refit, layout_spec, leave_group, live_tensors,
-                       timed_refit)
+from .protocol import (
+    check_join_args,
+    engine_destination,
+    engine_rank,
+    join_group,
+    join_refit,
+    layout_spec,
+    leave_group,
+    live_tensors,
+    timed_refit,
+)
 
 LOAD_FORMAT = "mcore_reshard.integrations.sglang_loader.load"
 COMMAND_PREFIX = "mcore_reshard."

@@ -18,8 +18,18 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from ..core.executor import ReshardError
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import (build_layout, check_join_args, check_tensors, engine_rank, join_group, join_refit, leave_group, rank_part,
-                       spec_text, timed_refit)
+from .protocol import (
+    build_layout,
+    check_join_args,
+    check_tensors,
+    engine_rank,
+    join_group,
+    join_refit,
+    leave_group,
+    rank_part,
+    spec_text,
+    timed_refit,
+)
 from .vllm_postload import PostLoad
 from .vllm_transfer import REPORTS_KEPT, plan_kwargs
 from .vllm_worker import MTP_PREFIX, vllm_coords, vllm_names, vllm_spec

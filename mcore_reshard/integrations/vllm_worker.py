@@ -38,7 +38,16 @@ import torch
 from ..core.executor import ReshardError, dtype_name
 from ..core.planner import DEFAULT_BUDGET
 from .hooks import run_post_refit
-from .protocol import check_join_args, engine_destination, engine_rank, join_group, join_refit, layout_spec, leave_group, timed_refit
+from .protocol import (
+    check_join_args,
+    engine_destination,
+    engine_rank,
+    join_group,
+    join_refit,
+    layout_spec,
+    leave_group,
+    timed_refit,
+)
 from .vllm_postload import PostLoad
 
 MTP_PREFIX = "mtp."

@@ -34,8 +34,8 @@ from importlib import resources
 from typing import Mapping, Sequence
 
 from ..core.box import Box
-from .fp8_rules import Fp8Rules
 from ..core.layout import Buffer, Layout, LayoutError, Piece
+from .fp8_rules import Fp8Rules
 
 try:
     import tomllib

@@ -89,7 +89,7 @@ def parallel_styles(model: torch.nn.Module) -> dict[str, str]:
 
 def dtensor_buffer(name: str, t, rank: int) -> tuple[Buffer, torch.Tensor]:
     """The buffer this rank holds of DTensor ``t`` (canonical name ``name``), and its local tensor."""
-    from ..core.dtensor import buffer_for   # imports torch.distributed.tensor
+    from ..core.dtensor import buffer_for  # imports torch.distributed.tensor
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     local = t.to_local()

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..core.dtensor import mesh_ranks, placements_for, to_dtensor
 from ..core.executor import all_gather_json
 from ..core.layout import Layout
-from .megatron_model import read_layout
 from ..core.mesh import megatron_meshes
+from .megatron_model import read_layout
 
 
 def _sizes(config) -> dict:

@@ -11,8 +11,16 @@ All layouts are metadata only (no torch), built from a :class:`ModelConfig`; pla
 ``make_plan(canonicalize(megatron_layout, family, cfg), vllm_layout(cfg, tp=8))``.  Imports only
 layer 1 (:mod:`mcore_reshard.core`'s box and layout).
 """
-from .config import (ModelConfig, canonical_tensors, dsv3_671b, dsv3_tiny, from_hf_config, gqa_tiny,
-                     layer_tensors, qwen3_moe_tiny)
+from .config import (
+                     ModelConfig,
+                     canonical_tensors,
+                     dsv3_671b,
+                     dsv3_tiny,
+                     from_hf_config,
+                     gqa_tiny,
+                     layer_tensors,
+                     qwen3_moe_tiny,
+)
 from .hf import hf_layout
 from .sglang import sglang_layout
 from .vllm import pad_vocab, pp_partition, vllm_layout

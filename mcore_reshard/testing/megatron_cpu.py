@@ -473,5 +473,12 @@ def _temporary_env(**values):
 
 
 # the model builders and the forward live in tiny_models (part of this module's API)
-from .tiny_models import (MAX_SEQ, VOCAB, build_dsv3_tiny, build_gqa_dense_tiny,  # noqa: E402, F401 - re-exported
-                          build_qwen3_moe_tiny, causal_mask, forward_logits)
+from .tiny_models import (  # noqa: E402, F401 - re-exported
+    MAX_SEQ,
+    VOCAB,
+    build_dsv3_tiny,
+    build_gqa_dense_tiny,
+    build_qwen3_moe_tiny,
+    causal_mask,
+    forward_logits,
+)

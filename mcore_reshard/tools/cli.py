@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import statistics
 import sys
 import time

@@ -6,14 +6,15 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mcore_reshard.core.dtensor import buffer_for, placements_for
-from mcore_reshard.tools.launch import spawn
 from mcore_reshard.core.layout import Layout
 from mcore_reshard.core.mesh import Mesh
+from mcore_reshard.tools.launch import spawn
 from mcore_reshard.tools.synthetic import materialize
 
 
@@ -74,7 +75,8 @@ def _dtensor_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from mcore_reshard.core.dtensor import layout_from_dtensor, to_dtensor, mesh_ranks
+
+    from mcore_reshard.core.dtensor import layout_from_dtensor, mesh_ranks, to_dtensor
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     assert torch.equal(dm.mesh, mesh_ranks(Mesh.of({"tp": 2, "dp": 2})))
     checked = 0

@@ -29,17 +29,16 @@ import json
 import re
 
 import pytest
+import reliability_workers
+from partial_launch import spawn_ok
 
 from mcore_reshard.core.box import Box
-from mcore_reshard.tools.demo import build_layouts
+from mcore_reshard.core.executor import ReshardError
 from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece, shard_box
 from mcore_reshard.core.mesh import Mesh, MeshError, megatron_meshes
 from mcore_reshard.core.planner import Plan, PlanError, make_plan, validate_plan
 from mcore_reshard.refit import ARCH_KEYS, agreed_config, config_diff
-from mcore_reshard.core.executor import ReshardError
-
-import reliability_workers
-from partial_launch import spawn_ok
+from mcore_reshard.tools.demo import build_layouts
 
 
 def sharded(name, shape, mesh, placements=(), dtype="float32", mode="exact"):
@@ -264,9 +263,9 @@ def test_plan_and_metadata_never_pickled():
 @pytest.mark.multiproc
 def test_megatron_refusals():
     pytest.importorskip("megatron.core")
-    from mcore_reshard.testing.megatron_cpu import spawn as mspawn
-
     import reliability_megatron_worker
+
+    from mcore_reshard.testing.megatron_cpu import spawn as mspawn
 
     results = mspawn(reliability_megatron_worker.megatron_refusals, 2, timeout=300)
     expect = {

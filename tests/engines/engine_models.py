@@ -79,8 +79,9 @@ def random_checkpoint(cfg: dict, seed: int = 0):
     """(canonical tensors, on-disk checkpoint tensors) of a random model, float32, from the library's
     canonical layout (``hf_layout(fused_experts=False)`` names the on-disk tensors)."""
     import torch
-    from mcore_reshard.tools.synthetic import materialize
+
     from mcore_reshard.targets import from_hf_config, hf_layout
+    from mcore_reshard.tools.synthetic import materialize
     mc = from_hf_config(cfg)
     # a DeepSeek checkpoint repeats embed_tokens / lm_head inside every MTP layer (the draft loads those)
     ck = hf_layout(mc, fused_experts=False, dtype="float32", mtp_copies=bool(mc.num_nextn_predict_layers))

@@ -31,10 +31,9 @@ ENGINE = sys.argv[1]
 if ENGINE == "vllm":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import engine_models  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import engine_models  # noqa: E402
 
 TRAINERS = 2
 
@@ -55,8 +54,8 @@ def wait_for(path: str, timeout: float = 600.0) -> None:
 def checkpoint_of(hf: dict, cfg: dict, mtp: bool = False) -> dict:
     """Canonical (fused-expert) HF tensors -> the on-disk per-expert checkpoint the engines read
     (``mtp``: with the MTP layer and its own embed_tokens / shared_head.head copies, as DeepSeek ships it)."""
-    from mcore_reshard.tools.synthetic import materialize
     from mcore_reshard.targets import from_hf_config, hf_layout
+    from mcore_reshard.tools.synthetic import materialize
     mc = from_hf_config({**cfg, "num_nextn_predict_layers": cfg["num_nextn_predict_layers"] if mtp else 0})
     return materialize(hf_layout(mc, fused_experts=False, dtype="float32", mtp_copies=mtp), 0, hf)
 
@@ -89,10 +88,11 @@ def trainer(rank: int, port: int, out: str, cases: list) -> dict:
     # SGLang's venv ships flash_mla (CUDA-only: dlopen fails with OSError, which Megatron-Core's optional
     # ``from flash_mla import ...`` does not catch): make it a plain missing module for the trainer.
     sys.modules.setdefault("flash_mla", None)
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron_refit_worker import perturb_replicated
+
     from mcore_reshard.integrations.protocol import join_group, join_refit, megatron_source
     from mcore_reshard.targets import from_hf_config, hf_layout
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", world_size=TRAINERS, rank=rank)
     mcore_cpu.init_megatron(tp=2, ep=2, etp=1)
     chunks = mcore_cpu.build_dsv3_tiny(dtype=torch.float32, mtp=True)
@@ -194,8 +194,10 @@ def compare_derived(model, ref_model) -> tuple[dict, list[str]]:
 
 
 def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
-    import engine_worker
     from types import SimpleNamespace
+
+    import engine_worker
+
     from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 2), RANK=str(rank - TRAINERS),
                       WORLD_SIZE=str(TRAINERS), LOCAL_RANK=str(rank - TRAINERS))
@@ -220,9 +222,10 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
             w.mcore_reshard_prepare(ignore_unused=True, post_load="none")   # load_weights only: nothing processed
             rep["steps"].append(w.mcore_reshard_refit(step))
         elif kind == "backend":
-            from mcore_reshard.integrations import vllm_transfer
             from vllm.config import WeightTransferConfig
             from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+            from mcore_reshard.integrations import vllm_transfer
             vllm_transfer.register()
             wt = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="mcore_reshard"), vc,
                                                            torch.device("cpu"), model)
@@ -269,6 +272,7 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
 
 def sglang_engine(rank: int, port: int, out: str, cases: list) -> dict:
     import sglang_worker
+
     from mcore_reshard.integrations import sglang_loader
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 2), RANK=str(rank - TRAINERS),
                       WORLD_SIZE=str(TRAINERS), LOCAL_RANK=str(rank - TRAINERS))

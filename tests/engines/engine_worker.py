@@ -12,12 +12,12 @@ the layout.  Every rank writes ``OUT_DIR/rank{r}.json``: case id -> report.
 from __future__ import annotations
 
 import json
-import zlib
 import os
 import sys
 import tempfile
 import time
 import traceback
+import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "helpers")]   # engine scripts, shared helpers
@@ -27,10 +27,9 @@ if ENGINE == "vllm":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+import engine_models  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import engine_models  # noqa: E402
 
 SENTINEL = 4242.0     # parameters start as this: a loader that leaves an element alone is seen
 
@@ -121,13 +120,14 @@ class VllmEngine:
         return model
 
     def build_mtp(self, vc):
-        from vllm.config import set_current_vllm_config
-        from vllm.utils.torch_utils import set_default_torch_dtype
-        from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
         # The drafter's config as vLLM's EAGLE/MTP proposer hands it over: the target's, with a
         # speculative config whose draft model config is the MTP model's (here: the same HF config).
         import copy
         from types import SimpleNamespace
+
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+        from vllm.utils.torch_utils import set_default_torch_dtype
         dvc = copy.copy(vc)
         class Spec(SimpleNamespace):      # only what building the draft reads; other options off
             def __getattr__(self, name):
@@ -158,9 +158,9 @@ class VllmEngine:
 
 
 def vllm_layout_case(eng: VllmEngine, case: dict) -> dict:
+    from mcore_reshard.integrations.probe import compare_layouts, probe_layout
     from mcore_reshard.integrations.protocol import build_layout
     from mcore_reshard.targets import from_hf_config, hf_layout
-    from mcore_reshard.integrations.probe import compare_layouts, probe_layout
     cfg, par = engine_models.MODELS[case["model"]](), case["par"]
     vc = eng.config(cfg, par, case["model"])
     g = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
@@ -182,8 +182,8 @@ def vllm_layout_case(eng: VllmEngine, case: dict) -> dict:
         eng.load(draft, vc, ck)
         spec = eng.spec(vc, model, mtp=True, drafter=draft)
         layout = build_layout(spec)
-        from mcore_reshard.integrations.vllm_worker import MTP_PREFIX
         from mcore_reshard.integrations.protocol import live_tensors
+        from mcore_reshard.integrations.vllm_worker import MTP_PREFIX
         live, aliases = live_tensors({"": model, MTP_PREFIX: draft})
         rep["mtp_params"] = len(list(draft.named_parameters()))
         rep["mtp_aliases"] = aliases

@@ -16,9 +16,8 @@ import time
 import types
 import zlib
 
-import torch
-
 import engine_models
+import torch
 from engine_worker import SENTINEL, compare_params, hf_items, sentinel  # noqa: F401 - re-exported
 
 _SHIMMED = False
@@ -101,10 +100,10 @@ class SGLangEngine:
 
 
 def layout_case(eng: SGLangEngine, case: dict) -> dict:
+    from mcore_reshard.integrations.probe import compare_layouts, probe_layout
     from mcore_reshard.integrations.protocol import build_layout
     from mcore_reshard.integrations.sglang_loader import sglang_spec
     from mcore_reshard.targets import from_hf_config, hf_layout
-    from mcore_reshard.integrations.probe import compare_layouts, probe_layout
     cfg, par = engine_models.MODELS[case["model"]](), case["par"]
     tp = par.get("tp", 1)
     lrank = eng.rank % tp

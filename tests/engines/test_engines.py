@@ -24,9 +24,8 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 import engine_cases
+import pytest
 from repo_paths import ENGINES_DIR, ROOT
 
 VENVS = {"vllm": os.path.join(ROOT, ".venv-vllm"), "sglang": os.path.join(ROOT, ".venv-sglang")}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from repo_paths import ROOT
 from vllm_engine_e2e import SCHEDULE, launch
 

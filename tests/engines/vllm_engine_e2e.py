@@ -63,6 +63,7 @@ def trainer(workdir: str, tp: int, model: str = "dsv3") -> None:
     import torch.distributed as dist
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
     from megatron_refit_worker import perturb_replicated
+
     from mcore_reshard import export_hf
     from mcore_reshard.integrations.protocol import join_group, join_refit, megatron_source
     from mcore_reshard.testing import megatron_cpu

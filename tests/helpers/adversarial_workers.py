@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mcore_reshard.core.executor import ReshardError, Resharder, all_gather_json, torch_dtype
+from mcore_reshard.core.executor import Resharder, ReshardError, all_gather_json, torch_dtype
 from mcore_reshard.core.executor import digest_of as _digest_of
 from mcore_reshard.core.layout import Layout
 from mcore_reshard.core.mesh import Mesh

@@ -13,7 +13,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-
 from adversarial_workers import cut, same_bits, snapshot
 from integration_contract_cases import record
 
@@ -102,12 +101,13 @@ def _fp8_setup(rank):
 
 
 def collective_cases(rank: int, world: int) -> dict:
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron_refit_worker import _build
+
     from mcore_reshard import export_hf
     from mcore_reshard.core.planner import make_plan
     from mcore_reshard.fp8.quant_resharder import Fp8Resharder
     from mcore_reshard.integrations.protocol import join_refit, rank_part
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from mcore_reshard.tools.demo import build_layouts
     from mcore_reshard.tools.synthetic import reference_tensor
     mcore_cpu.install_cpu_shims()

@@ -15,7 +15,6 @@ import math
 
 import torch
 import torch.distributed as dist
-
 from adversarial_workers import cut, same_bits, snapshot
 
 OWN_ERRORS = ("ReshardError", "TransferError", "PlanError", "LayoutError")

@@ -5,7 +5,6 @@ ranks 2-3).  Reference: the model's own full state dict before sharding, and tor
 from __future__ import annotations
 
 import torch
-
 from hf_tp_layout_worker import tiny
 
 
@@ -51,6 +50,7 @@ def _engine(layout, rank: int, src, src_t, full) -> tuple[list, int]:
 
 def fsdp_tp_to_hf_and_vllm(rank: int, world: int) -> dict:
     from torch.distributed.tensor import DTensor
+
     from mcore_reshard.integrations.protocol import join_refit
     from mcore_reshard.sources.dtensor_model import read_dtensor_layout
     from mcore_reshard.sources.hf_model import read_hf_layout
@@ -96,6 +96,7 @@ def fsdp_tp_params_to_dtensors(rank: int, world: int) -> dict:
     over a 1-D mesh of all 4 ranks; each destination shard vs torch's own split of the full tensor."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
+
     import mcore_reshard
     cls, cfg, model, full = sharded_model()
     mesh = DeviceMesh("cpu", torch.arange(4))

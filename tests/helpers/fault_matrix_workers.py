@@ -23,8 +23,8 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from adversarial_workers import _patched, cut
+
 from mcore_reshard.core.executor import Resharder, all_gather_json
 from mcore_reshard.core.planner import make_plan
 from mcore_reshard.tools.demo import build_layouts
@@ -62,8 +62,9 @@ def _record(fn) -> dict:
 
 
 def _export_chunks():
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from megatron_refit_worker import _build
+
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     mcore_cpu.install_cpu_shims()
     return _build("gqa", {"tp": 2}, torch.float32, {})
 
@@ -104,6 +105,7 @@ def _step(step: str, rank: int, victim: int, kind: str | None, T: float, tmp: st
         return _record(run)
     if step == "export_write":
         import safetensors.torch
+
         from mcore_reshard import export_hf
         out_dir = os.path.join(tmp, f"export_{k}")
 

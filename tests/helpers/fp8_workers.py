@@ -51,7 +51,8 @@ def _bytes(t: torch.Tensor) -> bytes:
 def check_buffers(layout, rank: int, tensors: dict, expected, block) -> tuple[list[str], int]:
     """Compare every piece of this rank's destination buffers with ``expected(tensor)`` (the full
     reference, FP8 weights / scales from :func:`ref_quantize`); padding must be zero."""
-    from mcore_reshard.fp8.quant_layout import FP8 as FP8_NAME, scale_name
+    from mcore_reshard.fp8.quant_layout import FP8 as FP8_NAME
+    from mcore_reshard.fp8.quant_layout import scale_name
     refs: dict[str, torch.Tensor] = {}
 
     def ref(name):
@@ -96,9 +97,9 @@ def synthetic_worker(rank: int, world: int, cases: list) -> list:
 
 
 def _synthetic(rank: int, case: dict) -> dict:
+    from mcore_reshard.core.layout import Layout
     from mcore_reshard.fp8.quant_plan import make_fp8_plan
     from mcore_reshard.fp8.quant_resharder import Fp8Resharder
-    from mcore_reshard.core.layout import Layout
     src = Layout.from_json(case["src"])
     dst = Layout.from_json(case["dst"])
     block = tuple(case["block"])
@@ -199,13 +200,14 @@ def target_layout(case: dict, quantized_of_family=True):
 
 
 def megatron_worker(rank: int, world: int, cases: list) -> list:
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     import torch.distributed as dist
     from megatron_refit_worker import _build, perturb_replicated
+
     from mcore_reshard.core.executor import all_gather_json
     from mcore_reshard.core.layout import Layout
-    from mcore_reshard.refit import MegatronRefit
     from mcore_reshard.fp8.quant_resharder import Fp8
+    from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     mcore_cpu.install_cpu_shims()
     out = []
     for case in cases:

@@ -12,8 +12,8 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from adversarial_workers import cut, digest_of, dtype_layouts, full_tensors, same_bits, snapshot
+
 from mcore_reshard.core.executor import Resharder
 from mcore_reshard.core.layout import Layout
 from mcore_reshard.core.mesh import Mesh

@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 
 import torch
+from hf_refit_worker import HAND_MAP as RENAMES  # Megatron -> HF name pieces, written by hand
+from hf_refit_worker import _split_qkv
+from megatron_refit_worker import _build, _digest, perturb_replicated, reference_full
 
 from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from mcore_reshard.testing import tiny_models
-from hf_refit_worker import HAND_MAP as RENAMES, _split_qkv   # Megatron -> HF name pieces, written by hand
-from megatron_refit_worker import _build, _digest, perturb_replicated, reference_full
 
 GQA_RENAMES = [("self_attention.q_layernorm", "self_attn.q_norm"), ("self_attention.k_layernorm", "self_attn.k_norm")]
 
@@ -120,13 +121,14 @@ def disaggregated_member(member: int, tmp: str) -> dict:
     from datetime import timedelta
 
     import torch.distributed as dist
+
     from mcore_reshard import export_hf
     from mcore_reshard.core.executor import all_gather_json
-    from mcore_reshard.sources.hf_model import read_hf_layout
-    from mcore_reshard.integrations.protocol import join_group
     from mcore_reshard.core.layout import Layout
-    from mcore_reshard.sources.hf_config import hf_config_dict, megatron_facts, to_transformers
+    from mcore_reshard.integrations.protocol import join_group
     from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.sources.hf_config import hf_config_dict, megatron_facts, to_transformers
+    from mcore_reshard.sources.hf_model import read_hf_layout
     trainer = member < 2
     out: dict = {}
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))

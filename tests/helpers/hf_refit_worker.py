@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron_refit_worker import _build, _digest, perturb_replicated, reference_digests
 
 from mcore_reshard.testing import megatron_cpu as mcore_cpu
-from megatron_refit_worker import _build, _digest, perturb_replicated, reference_digests
 
 
 def hf_config(cfg, vocab: int):
@@ -76,9 +76,10 @@ def megatron_to_hf_digests(ref: dict) -> dict:
 
 
 def hf_scenarios(rank: int, world: int, cases: list) -> list:
-    from mcore_reshard.sources.hf_model import read_hf_layout
-    from mcore_reshard.refit import MegatronRefit
     from transformers import DeepseekV3ForCausalLM
+
+    from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.sources.hf_model import read_hf_layout
     mcore_cpu.install_cpu_shims()
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []
@@ -173,10 +174,11 @@ def gqa_hf_config(kind: str, cfg, vocab: int):
 
 def hf_gqa_scenarios(rank: int, world: int, cases: list) -> list:
     """Llama (dense GQA) and Qwen3-MoE: Megatron -> live transformers model on rank 0."""
-    from mcore_reshard.sources.hf_model import read_hf_layout
+    from megatron_refit_worker import reference_full
+
     from mcore_reshard.core.layout import Layout
     from mcore_reshard.refit import MegatronRefit
-    from megatron_refit_worker import reference_full
+    from mcore_reshard.sources.hf_model import read_hf_layout
     mcore_cpu.install_cpu_shims()
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []

@@ -59,6 +59,7 @@ def hand_pieces(style, shape, n: int, r: int) -> list:
 
 def layout_boxes(rank: int, world: int) -> list:
     from transformers.distributed import DistributedConfig
+
     from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     out = []
     for kind, ep in (("llama", 1), ("qwen3", 1), ("dsv3", 1), ("dsv3", world)):

@@ -18,10 +18,10 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-
-from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from hf_refit_worker import HAND_MAP, _split_qkv, gqa_hf_config, hf_config
 from megatron_refit_worker import _build, perturb_replicated, reference_full
+
+from mcore_reshard.testing import megatron_cpu as mcore_cpu
 
 KINDS = {"gqa": "LlamaForCausalLM", "qwen3": "Qwen3MoeForCausalLM", "dsv3": "DeepseekV3ForCausalLM"}
 
@@ -93,6 +93,7 @@ def sharded_hf_model(model_cls, hf_cfg, tp: int, ep: int):
 def check_shards(model, ref: dict) -> list[str]:
     """Every local tensor of ``model`` against torch's own slice of the reference: mismatches as text."""
     from torch.distributed.tensor import DTensor, distribute_tensor
+
     from mcore_reshard.sources.hf_model import module_tensors
     bad = []
     for name, t in module_tensors(model).items():
@@ -115,8 +116,8 @@ def hf_tp_scenarios(rank: int, world: int, cases: list) -> list:
     """Each case: {"model": gqa|qwen3|dsv3, "src": Megatron sizes, "kw": builder kw, "hf_ep": EP size of the HF model,
     "src_ranks": n}.  With ``src_ranks < world`` only ranks [0, n) hand their Megatron chunks to the refit (the source is
     built with dp slowest, so they hold one whole replica): the HF shards of the other ranks arrive over the network only."""
-    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []
     for case in cases:
@@ -159,6 +160,7 @@ def pretrained_layouts(rank: int, world: int, cases: list) -> list:
     """``from_pretrained(path, distributed_config=...)`` (the documented user path, needs accelerate)
     against the two-step sharding above: the same layout on every rank, and the same logits."""
     from transformers.distributed import DistributedConfig
+
     from mcore_reshard.sources.hf_model import read_hf_layout
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     out = []

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import mcore_reshard.core.executor.common as ex_common
 import mcore_reshard.core.executor.rounds as rounds_mod
 import mcore_reshard.core.executor.transfer as transfer_mod
-from mcore_reshard.core.executor import ReshardError, Resharder
+from mcore_reshard.core.executor import Resharder, ReshardError
 from mcore_reshard.core.planner import make_plan
 from mcore_reshard.tools.demo import build_layouts
 from mcore_reshard.tools.synthetic import materialize, reference_tensor

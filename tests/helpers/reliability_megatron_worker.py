@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron_refit_worker import _build, perturb_replicated, reference_digests
+from reliability_workers import no_pickle
 
 from mcore_reshard.testing import megatron_cpu as mcore_cpu
 from mcore_reshard.testing import tiny_models
-from megatron_refit_worker import _build, perturb_replicated, reference_digests
-from reliability_workers import no_pickle
 
 
 def _params(chunks) -> dict:
@@ -21,8 +21,8 @@ def _params(chunks) -> dict:
 
 
 def _attempt(build_src, build_dst, **kw) -> list:
-    from mcore_reshard.refit import MegatronRefit
     from mcore_reshard.core.executor import ReshardError
+    from mcore_reshard.refit import MegatronRefit
     src = build_src()
     dst = build_dst()
     before_src, before_dst = _params(src), _params(dst)
@@ -40,9 +40,9 @@ def _attempt(build_src, build_dst, **kw) -> list:
 
 def megatron_refusals(rank: int, world: int) -> dict:
     from mcore_reshard.core.box import Box
+    from mcore_reshard.core.executor import ReshardError
     from mcore_reshard.core.layout import Buffer, Layout, Piece
     from mcore_reshard.refit import MegatronRefit
-    from mcore_reshard.core.executor import ReshardError
 
     f32 = torch.float32
     out = {}

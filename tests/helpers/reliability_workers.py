@@ -14,9 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from mcore_reshard.tools.demo import build_layouts
-from mcore_reshard.core.executor import ReshardError, Resharder, TransferError, all_gather_json, digest_of
+from mcore_reshard.core.executor import Resharder, ReshardError, TransferError, all_gather_json, digest_of
 from mcore_reshard.core.planner import make_plan
+from mcore_reshard.tools.demo import build_layouts
 from mcore_reshard.tools.synthetic import materialize, reference_tensor
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -8,13 +8,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from reliability_workers import _exact, _full, _load_step, _stamp, patched_p2p
 
-from mcore_reshard.core.executor import ReshardError, Resharder, digest_of
+from mcore_reshard.core.executor import Resharder, ReshardError, digest_of
 from mcore_reshard.core.planner import Topology, make_plan
 from mcore_reshard.tools.demo import build_layouts
 from mcore_reshard.tools.synthetic import materialize
-
-from reliability_workers import _exact, _full, _load_step, _stamp, patched_p2p
 
 DOMAINS = (0, 0, 1, 1)
 
@@ -27,8 +26,9 @@ def megatron_two_level(rank: int, world: int, cases: list) -> list:
     """Each case a ``megatron_refit_worker`` case, refit with ``topology=Topology(domains=DOMAINS)``;
     also reports what the plan gives this rank (messages, staged bytes) and the flat plan's NIC bytes."""
     import megatron_refit_worker as W
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
+
     from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     mcore_cpu.install_cpu_shims()
     topo = Topology(domains=DOMAINS)
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_reshard.tools.demo import build_layouts, demo_worker
-from mcore_reshard.core.executor import ReshardError, Resharder
+from mcore_reshard.core.executor import Resharder, ReshardError
 from mcore_reshard.core.planner import make_plan
+from mcore_reshard.tools.demo import build_layouts, demo_worker
 from mcore_reshard.tools.synthetic import materialize, reference_tensor
 
 
@@ -106,6 +106,7 @@ def templated_parts(rank: int, world: int) -> dict:
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "planner"))   # a test module, not a helper
     from test_planner_templates import _colocated_stages
+
     from mcore_reshard.core.planner import TemplatedPlan, plan_part
     src, dst = _colocated_stages(stages=world // 2)
     plan = make_plan(src, dst, budget_bytes=1024, templates="always")

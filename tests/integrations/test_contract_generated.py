@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
-
 import contract_cases as cc
+import pytest
 from partial_launch import spawn_ok
+
 
 @pytest.fixture(scope="module")
 def counts(request):

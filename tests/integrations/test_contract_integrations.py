@@ -17,9 +17,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import integration_contract_cases as ic
+import pytest
 
 COUNTS: dict = {}
 TMP = "/tmp/mcore-reshard-contract-never"     # file:// stores no case may reach (every join is refused first)

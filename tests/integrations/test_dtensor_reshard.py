@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from math import prod
 
+import dtensor_reshard_worker as worker
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from mcore_reshard.tools.launch import spawn
-
-import dtensor_reshard_worker as worker
 
 pytestmark = pytest.mark.multiproc
 
@@ -196,6 +196,7 @@ def test_benchmark_smoke():
     import os
     import subprocess
     import sys
+
     from repo_paths import ROOT as root
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "dtensor_bench.py"), "--tensors", "3",

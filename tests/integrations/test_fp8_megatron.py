@@ -11,11 +11,10 @@ plain BF16 refit of the same layouts.
 """
 from __future__ import annotations
 
+import fp8_workers
 import pytest
 
 from mcore_reshard.testing.megatron_cpu import spawn
-
-import fp8_workers
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 

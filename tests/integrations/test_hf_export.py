@@ -22,10 +22,10 @@ import hashlib
 import json
 import os
 
+import hf_export_worker
 import pytest
 import torch
 
-import hf_export_worker
 from mcore_reshard.testing.megatron_cpu import spawn
 
 pytestmark = [pytest.mark.megatron]

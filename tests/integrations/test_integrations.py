@@ -20,17 +20,24 @@ import types
 
 import pytest
 import torch
+from repo_paths import ROOT
 
 from mcore_reshard.core.executor import ReshardError
 from mcore_reshard.integrations import hooks
-from mcore_reshard.integrations.protocol import (build_layout, check_tensors, join_group, join_refit, layout_spec,
-                                                 live_tensors, rank_part)
+from mcore_reshard.integrations.protocol import (
+    build_layout,
+    check_tensors,
+    join_group,
+    join_refit,
+    layout_spec,
+    live_tensors,
+    rank_part,
+)
 from mcore_reshard.integrations.sglang_loader import COMMAND_PREFIX, command, decode, load, session
 from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
+from mcore_reshard.targets import canonical_tensors, dsv3_tiny, from_hf_config, hf_layout, sglang_layout, vllm_layout
 from mcore_reshard.tools.launch import spawn
 from mcore_reshard.tools.synthetic import materialize, reference_tensor
-from mcore_reshard.targets import canonical_tensors, dsv3_tiny, from_hf_config, hf_layout, sglang_layout, vllm_layout
-from repo_paths import ROOT
 
 CFG = dsv3_tiny()
 DT = "float32"
@@ -355,8 +362,8 @@ def test_sglang_shape_mismatch_refused_everywhere(runs):
 def megatron_part(rank: int, world: int) -> dict:
     """megatron_source on a live tiny Megatron-Core model equals the megatron spec's part."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     from mcore_reshard.integrations.protocol import megatron_source
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
     mcore_cpu.install_cpu_shims()
     mcore_cpu.init_megatron(1, 1)
     part, tensors = megatron_source(mcore_cpu.build_dsv3_tiny(mtp=True), rank)
@@ -377,10 +384,10 @@ def test_megatron_source_matches_megatron_spec():
 # ----------------------------------------------------------------------------------- single-process tests
 
 def test_import_needs_no_engine():
+    import mcore_reshard.integrations.probe  # noqa: F401
     import mcore_reshard.integrations.sglang_loader as sl
     import mcore_reshard.integrations.vllm_transfer as vt
     import mcore_reshard.integrations.vllm_worker as vw
-    import mcore_reshard.integrations.probe  # noqa: F401
     assert callable(sl.load) and hasattr(vw.McoreReshardWorkerExtension, "mcore_reshard_refit")
     assert vt.BACKEND == "mcore_reshard" and callable(vt.register)
     assert "vllm" not in sys.modules and "sglang" not in sys.modules    # nothing imported them

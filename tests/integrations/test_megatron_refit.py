@@ -8,11 +8,10 @@ it, destination storage must not move, and the destination's logits must match t
 """
 from __future__ import annotations
 
+import megatron_refit_worker
 import pytest
 
 from mcore_reshard.testing.megatron_cpu import spawn
-
-import megatron_refit_worker
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 

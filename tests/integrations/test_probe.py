@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from mcore_reshard.core.layout import LayoutError
-from mcore_reshard.tools.synthetic import materialize
-from mcore_reshard.targets import dsv3_tiny, gqa_tiny, hf_layout, qwen3_moe_tiny, sglang_layout, vllm_layout
 from mcore_reshard.integrations.probe import compare_layouts, probe_layout
+from mcore_reshard.targets import dsv3_tiny, gqa_tiny, hf_layout, qwen3_moe_tiny, sglang_layout, vllm_layout
 from mcore_reshard.targets.vllm import effective_expert_placement, sequence_parallel_moe
+from mcore_reshard.tools.synthetic import materialize
 
 
 def layout_loader(layout, rank, checkpoint, scale: float = 1.0):

@@ -8,11 +8,10 @@ import os
 import tempfile
 
 import pytest
-
-from mcore_reshard.testing.megatron_cpu import spawn
+import topology_workers
 from partial_launch import spawn_partial
 
-import topology_workers
+from mcore_reshard.testing.megatron_cpu import spawn
 
 pytestmark = pytest.mark.multiproc
 

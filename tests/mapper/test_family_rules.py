@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mcore_reshard.core.box import Box
-from mcore_reshard.mapper.family import FamilyError, canonicalize, load_family, shipped_families
 from mcore_reshard.core.layout import Buffer, Layout, Piece
 from mcore_reshard.core.mesh import Mesh
+from mcore_reshard.mapper.family import FamilyError, canonicalize, load_family, shipped_families
 from mcore_reshard.tools.synthetic import materialize
 
 CFG = {"num_layers": 61, "num_attention_heads": 8, "num_query_groups": 2, "kv_channels": 3}
@@ -85,10 +85,11 @@ def test_transformer_engine_spec_rules_plan_into_local_spec():
     TEGroupedMLP keeps experts as linear_fc1.weight{i} parameters with the same global keys.
     Read as Megatron keys and canonicalized, a TE-spec TP2 source must plan into the local-spec
     TP2 layout exactly (checked by applying the plan to real tensors)."""
-    from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
-    from mcore_reshard.core.planner import make_plan
-    from mcore_reshard.targets import dsv3_tiny
     from sim import apply_plan, random_full
+
+    from mcore_reshard.core.planner import make_plan
+    from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
+    from mcore_reshard.targets import dsv3_tiny
     cfg = dsv3_tiny(num_nextn_predict_layers=0)
     fam = load_family("deepseek_v3")
     conf = {"num_layers": 4}

@@ -1,12 +1,11 @@
 """Layouts built from dims and parallel sizes (no model) equal those read from live models."""
 from __future__ import annotations
 
+import megatron_refit_worker
 import pytest
 
-from mcore_reshard.testing.megatron_cpu import spawn
 from mcore_reshard.sources.megatron_spec import ParallelSizes, stage_layers
-
-import megatron_refit_worker
+from mcore_reshard.testing.megatron_cpu import spawn
 
 CASES = [
     {"model": "dsv3", "src": {"tp": 2, "pp": 2}, "kw": {"mtp": True}},

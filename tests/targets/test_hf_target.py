@@ -6,11 +6,10 @@ the research notes: only reduction order differs), and the same argmax everywher
 """
 from __future__ import annotations
 
+import hf_refit_worker
 import pytest
 
 from mcore_reshard.testing.megatron_cpu import spawn
-
-import hf_refit_worker
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 
+import hf_tp_refit_worker
 import pytest
 
 from mcore_reshard.testing.megatron_cpu import spawn
-
-import hf_tp_refit_worker
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
@@ -81,8 +80,8 @@ def _tiny_llama_with_tp_config(plan_override: dict | None = None):
 
 
 def test_plain_parameter_under_a_sharding_style_is_an_error():
-    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     from mcore_reshard.core.layout import LayoutError
+    from mcore_reshard.sources.hf_model import parallel_styles, read_hf_layout
     model = _tiny_llama_with_tp_config()
     styles = parallel_styles(model)   # transformers' declared plan, resolved per parameter
     assert styles["model.layers.0.self_attn.q_proj.weight"] == "colwise"
@@ -95,8 +94,8 @@ def test_plain_parameter_under_a_sharding_style_is_an_error():
 
 
 def test_unknown_parallel_style_names_the_parameter():
-    from mcore_reshard.sources.hf_model import read_hf_layout
     from mcore_reshard.core.layout import LayoutError
+    from mcore_reshard.sources.hf_model import read_hf_layout
     model = _tiny_llama_with_tp_config({"model.layers.*.mlp.gate_proj": "my_fused_colwise"})
     with pytest.raises(LayoutError, match=r"rank 0: model.layers.0.mlp.gate_proj.weight has transformers parallel style 'my_fused_colwise'"):
         read_hf_layout(model, 0)
@@ -106,6 +105,7 @@ def test_layout_boxes_follow_the_declared_plans():
     """No Megatron: transformers shards tiny models with the plans their config classes declare; every box
     read_hf_layout reports equals the one written out by hand for the parameter's style, on every rank."""
     import re
+
     import hf_tp_layout_worker
     for rank, res in enumerate(spawn(hf_tp_layout_worker.layout_boxes, 2, timeout=300)):
         for r in res:

@@ -17,11 +17,21 @@ import zlib
 import pytest
 import torch
 
-from mcore_reshard.mapper.family import load_family
 from mcore_reshard.core.planner import make_plan
+from mcore_reshard.mapper.family import load_family
+from mcore_reshard.targets import (
+    canonical_tensors,
+    dsv3_671b,
+    dsv3_tiny,
+    from_hf_config,
+    gqa_tiny,
+    hf_layout,
+    pp_partition,
+    qwen3_moe_tiny,
+    sglang_layout,
+    vllm_layout,
+)
 from mcore_reshard.tools.synthetic import materialize
-from mcore_reshard.targets import (canonical_tensors, dsv3_671b, dsv3_tiny, from_hf_config, gqa_tiny, hf_layout,
-                                   pp_partition, qwen3_moe_tiny, sglang_layout, vllm_layout)
 
 NAN = float("nan")
 OFFSET = 1          # target ranks start after the HF source rank 0

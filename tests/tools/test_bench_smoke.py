@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 import pytest
+from repo_paths import ROOT
 
-from mcore_reshard.tools import bench, costmodel
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.layout import Buffer, Layout, Piece
 from mcore_reshard.core.planner import make_plan
-from repo_paths import ROOT
-
+from mcore_reshard.tools import bench, costmodel
 
 
 def _whole(lay: Layout, rank: int, name: str, shape, dtype="float32", box: Box | None = None):
@@ -184,6 +183,7 @@ def test_costmodel_paced_pipelines_pack_and_unpack():
     memory slower than the wire (50 GB/s: 40 ms of copies), the copies bound the round.  The
     windows are the executor's own."""
     from types import SimpleNamespace as NS
+
     from mcore_reshard.core.executor import common
     from mcore_reshard.core.executor.rounds import windows
     assert (costmodel.CHUNK_MIN, costmodel.CHUNK_MAX) == (common._CHUNK_MIN, common._CHUNK_MAX)

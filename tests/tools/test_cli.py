@@ -88,6 +88,7 @@ def test_cli_bad_layout_is_one_clear_line():
 
 def test_synthetic_parser_shares_the_layout_string_grammar():
     import pytest
+
     from mcore_reshard.tools.synthetic import parse_parallel
     assert parse_parallel("tp=2,pp=2,ep=2") == {"tp": 2, "pp": 2, "cp": 1, "ep": 2, "dp": 1, "etp": 2}
     with pytest.raises(ValueError, match="bad size 'tp=0'"):

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from repo_paths import ROOT
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]

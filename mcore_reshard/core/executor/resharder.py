@@ -17,8 +17,8 @@ from .common import check_timeout, group_device, group_timeout, waits_block
 from .errors import ReshardError
 from .handshake import agree, group_guard
 from .owners import Owners, describe, is_dtensor, record, storage_of
-from .transfer import Refit
 from .preflight import check_aliasing, check_arguments, check_binding, member_rank, own_part
+from .transfer import Refit
 
 
 class Resharder:

@@ -37,13 +37,24 @@ from ..gcpause import paused_gc
 from ..layout import Layout
 from .index import _check_tensors, source_index
 from .matching import local_mapper, match
-from .plan import ALIGN, DEFAULT_BUDGET, PLAN_VERSION, Copy, CopyPlan, Message, Plan, PlanError, StoredPlan, check_budget
 from .packing import _pack_rounds
+from .plan import (
+    ALIGN,
+    DEFAULT_BUDGET,
+    PLAN_VERSION,
+    Copy,
+    CopyPlan,
+    Message,
+    Plan,
+    PlanError,
+    StoredPlan,
+    check_budget,
+)
+from .plan_check import validate_plan
 from .senders import choose_senders
 from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
 from .topology import COPY_SHARE, Topology, link_stats, plan_forwarding, split_unstaged
-from .plan_check import validate_plan
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,

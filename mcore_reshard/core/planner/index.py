@@ -10,6 +10,7 @@ from ..layout import Layout, Piece
 from .plan import PlanError
 from .records import Holder, SourceBox, new
 
+
 def _fmt_ranks(holders) -> str:
     return ",".join(str(r) for r in sorted({h.rank for h in holders}))
 

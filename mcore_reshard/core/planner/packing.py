@@ -10,6 +10,7 @@ from . import fastfit
 from .plan import ALIGN, Copy, Message
 from .records import ForwardCopy, PendingCopy, new
 
+
 class RankFill(NamedTuple):
     """One rank's state in a :class:`RoundFill`: its staged bytes per round (``used``), level ->
     index in ``lims`` (None: not registered on the rank), the lims registered on it sorted, and

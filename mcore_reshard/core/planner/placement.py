@@ -4,13 +4,12 @@ global rounds under the per-rank budget, items packed into one int each.  ``temp
 ``plan.rounds``)."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from array import array
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Generator, Mapping
 from operator import add
+from typing import NamedTuple
 
 from . import fastfit
 from .packing import RoundFill

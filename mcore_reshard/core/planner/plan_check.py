@@ -10,6 +10,7 @@ from ..layout import itemsize
 from .index import _uncovered
 from .plan import ALIGN, Copy, Plan, contiguous
 
+
 @paused_gc()
 def validate_plan(plan: Plan, rank: int | None = None, limit: int = 20) -> list[str]:
     """Self-consistency of a plan (one received over the wire, loaded from JSON or built by hand),

@@ -36,9 +36,9 @@ from collections import defaultdict
 from ..gcpause import paused_gc
 from ..layout import Layout
 from .forms import MARK, _canonical_layouts, _Forms, _groups, _instances, _layer_of, _rotation_changes
+from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 from .plan import PLAN_FORMATS, Copy, Message, Plan, PlanBase, PlanError, canonical_hash
 from .records import Instance, LayerNumbers, new
-from .placement import WAVE_SLACK, _place, _place_counted  # noqa: F401 (WAVE_SLACK, _place: tests)
 
 TEMPLATE_VERSION = 3
 

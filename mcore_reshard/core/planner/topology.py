@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ..box import Box, split_box, unchecked_box
-from .index import atoms, _disjoint
+from .index import _disjoint, atoms
 from .matching import ToLocal
 from .plan import ALIGN, PlanError, contiguous
 from .records import CarrierKey, ForwardCopy, PendingCopy, Region

@@ -31,9 +31,9 @@ needs any part of it (other than itself).  Bytes = gathered bytes + unit bytes x
 moves more than this; NeMo RL's broadcast path sends every tensor to every inference worker.)
 """
 from .baselines import checkpoint_units, gather_broadcast, lower_bound
-from .options import add_bench_parser, cmd_bench, main
 from .configs import CONFIGS, FULL_SIZE_DEFAULT, PUBLISHED, FullSizeConfig, kimi_k2_1t, small_config
 from .fullsize import run_full_size, run_full_size_config, traffic_matrix
+from .options import add_bench_parser, cmd_bench, main
 from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
 
 __all__ = ["CONFIGS", "FULL_SIZE_DEFAULT", "FullSizeConfig", "PUBLISHED", "add_bench_parser", "checkpoint_units",

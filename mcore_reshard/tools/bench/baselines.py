@@ -2,9 +2,7 @@
 gather + broadcast baseline (checkpoint unit by unit), both from the two layouts alone."""
 from __future__ import annotations
 
-
 from ...core.layout import Layout, itemsize
-
 
 # ----------------------------------------------------------------------------------- layout analytics
 

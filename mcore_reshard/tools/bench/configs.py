@@ -7,7 +7,6 @@ from typing import Callable
 
 from ...core.layout import Layout
 
-
 DEFAULT_OUT = "benchmarks"
 NODE = 8    # GPUs per node for the pictures' aggregation
 

@@ -12,8 +12,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from .. import costmodel
 from ...util.memstat import peak_bytes, reset_peak, rss_bytes
+from .. import costmodel
 from .baselines import gather_broadcast, lower_bound
 from .configs import CONFIGS, NODE, PUBLISHED, small_config
 

@@ -247,8 +247,8 @@ class GatherBroadcast:
     """
 
     def __init__(self, src_layout, dst_layout, src_tensors: dict, dst_tensors: dict, group=None):
-        from .baselines import checkpoint_units
         from ...core.executor import torch_dtype
+        from .baselines import checkpoint_units
         self.rank = me = dist.get_rank(group)
         self.src_t, self.dst_t = src_tensors, dst_tensors
         self.items = []

@@ -7,11 +7,10 @@ import os
 import sys
 import time
 from pathlib import Path
+
 from .configs import CONFIGS, DEFAULT_OUT, FULL_SIZE_DEFAULT
-from .fullsize import save_json, run_full_size, run_full_size_config
+from .fullsize import run_full_size, run_full_size_config, save_json
 from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
-
-
 
 # ----------------------------------------------------------------------------------- CLI
 

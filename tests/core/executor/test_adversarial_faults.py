@@ -20,11 +20,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
-
-from partial_launch import spawn_ok, spawn_partial
-
 import adversarial_workers
+import pytest
+from partial_launch import spawn_ok, spawn_partial
 
 pytestmark = pytest.mark.multiproc
 

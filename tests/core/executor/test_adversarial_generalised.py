@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
-
 import generalised_workers as gw
+import pytest
 from partial_launch import spawn_ok, spawn_partial
 
 pytestmark = pytest.mark.multiproc

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
-from partial_launch import spawn_ok
-
 import adversarial_workers
+import pytest
+from partial_launch import spawn_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -162,8 +160,9 @@ def _placement():
 
 
 def _dtensor_dim():
-    from mcore_reshard.core.dtensor import local_intervals
     from torch.distributed.tensor import Shard
+
+    from mcore_reshard.core.dtensor import local_intervals
     local_intervals((4, 4), [2], [0], [Shard(3)])
 
 
@@ -212,6 +211,7 @@ def test_nccl_host_side_deadline_and_abort(monkeypatch):
     """NCCL's Work.wait does not block the host: bounded_wait polls is_completed() against the
     deadline and aborts the communicator (here a fake work and group: no GPU)."""
     import time
+
     import mcore_reshard.core.executor.common as common
 
     class NeverDone:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import workers
 
 from mcore_reshard.tools.launch import spawn
-
-import workers
 
 pytestmark = pytest.mark.multiproc
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pipeline_workers as pw
 import pytest
-
-from mcore_reshard.tools.launch import spawn
 from partial_launch import spawn_partial
 
-import pipeline_workers as pw
+from mcore_reshard.tools.launch import spawn
 
 pytestmark = pytest.mark.multiproc
 

@@ -20,9 +20,8 @@ import os
 import tempfile
 import time
 
-import pytest
-
 import fault_matrix_workers as fm
+import pytest
 from partial_launch import spawn_ok, spawn_partial
 
 pytestmark = pytest.mark.multiproc

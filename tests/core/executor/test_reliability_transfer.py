@@ -20,10 +20,8 @@ import os
 import tempfile
 
 import pytest
-
-from partial_launch import spawn_partial
-
 import reliability_workers
+from partial_launch import spawn_partial
 
 pytestmark = pytest.mark.multiproc
 

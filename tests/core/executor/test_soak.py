@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from repo_paths import EXAMPLES_DIR
 
 sys.path.insert(0, EXAMPLES_DIR)   # examples/soak.py

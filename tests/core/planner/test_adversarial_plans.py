@@ -25,14 +25,15 @@ import random
 import re
 from unittest import mock
 
-import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
-
 import adversarial_workers as aw
 import plan_mutations
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from partial_launch import spawn_ok
+
 from mcore_reshard.core.executor import preflight
 from mcore_reshard.core.planner import Plan, PlanError, make_plan
-from partial_launch import spawn_ok
 
 SRC, DST = aw.dtype_layouts(2)
 FULL = aw.full_tensors(SRC)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import copy
 import json
 
-import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
-
 import adversarial_workers as aw
 import plan_mutations
-from test_adversarial_plans import _verdict as verdict_of, seeded_verdicts
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_adversarial_plans import _verdict as verdict_of
+from test_adversarial_plans import seeded_verdicts
+
 from mcore_reshard.core.layout import Layout
 from mcore_reshard.core.mesh import Mesh
 from mcore_reshard.core.planner import TemplatedPlan, make_plan

@@ -6,21 +6,21 @@ from __future__ import annotations
 import json
 from math import prod
 
+import fp8_workers
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mcore_reshard.core.box import Box
-from mcore_reshard.mapper.family import load_family
+from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece, TensorMeta
 from mcore_reshard.fp8.quant_layout import Fp8Rules, fp8_target, scale_shape
 from mcore_reshard.fp8.quant_plan import Fp8Plan, make_fp8_plan, quantized_tensors
 from mcore_reshard.fp8.quant_resharder import quantize_into
-from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece, TensorMeta
+from mcore_reshard.mapper.family import load_family
 from mcore_reshard.sources.megatron_spec import ParallelSizes, megatron_layout
 from mcore_reshard.targets import canonical_tensors, dsv3_671b, sglang_layout, vllm_layout
 from mcore_reshard.targets.vllm import experts_w13
-
-import fp8_workers
 
 L3 = "model.layers.3."
 
@@ -219,8 +219,8 @@ def test_dsv3_671b_megatron_tp8_to_vllm_tp8_bytes():
     assert s["bf16_network_bytes"] == s["rest_network_bytes"] + 2 * weights == 28_338_413_568
     assert s["network_bytes"] == 16_054_336_000      # 0.567 of the BF16 refit
     # the BF16 comparison is counted, not planned: it matches the planner's own count
-    from mcore_reshard.fp8.quant_layout import bf16_target
     from mcore_reshard.core.planner import make_plan
+    from mcore_reshard.fp8.quant_layout import bf16_target
     bf16 = make_plan(src, bf16_target(dst, {n: "bfloat16" for n in plan.quantized}), allow_cast=True)
     assert (s["bf16_network_bytes"], s["bf16_local_bytes"]) == (bf16.stats["network_bytes"], bf16.stats["local_bytes"])
 
@@ -323,6 +323,7 @@ def test_state_of_a_buffer_written_by_several_groups():
     """A target buffer cut into slabs holds version v only when every slab does: a refit stopped
     between two groups leaves it incomplete (None), never reported as the old or the new version."""
     from types import SimpleNamespace
+
     from mcore_reshard.fp8.quant_resharder import Fp8Resharder
 
     def res(buffers, interrupted=False):
@@ -356,10 +357,10 @@ def _layered(src_sizes: dict, target: dict, block: int, layers: int = 6):
 def _alone(src, dst, plan: Fp8Plan, memory: int):
     """Every layer planned on its own, from ``restrict`` of the whole layouts (not the shared
     planner's one-pass split): [(layer number, its groups)] in the plan's order."""
+    from mcore_reshard.core.planner.forms import layer_number
     from mcore_reshard.fp8.groups import _make_groups
     from mcore_reshard.fp8.quant_layout import scale_name
     from mcore_reshard.fp8.regions import plan_regions, restrict
-    from mcore_reshard.core.planner.forms import layer_number
     out = []
     for _, _, k in plan.groups.instances:
         names = sorted(n for n in plan.quantized if layer_number(n) == k)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_planner_properties import check_plan
 
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.layout import Buffer, Layout, LayoutError, Piece
 from mcore_reshard.core.mesh import Mesh, MeshError
 from mcore_reshard.core.planner import PlanError, make_plan
-from mcore_reshard.tools.synthetic import parse_parallel, synthetic_layout, world_size_of, SyntheticModel
-
-from test_planner_properties import check_plan
+from mcore_reshard.tools.synthetic import SyntheticModel, parse_parallel, synthetic_layout, world_size_of
 
 
 def sharded(name, shape, mesh, placements, dtype="float32", mode="exact"):

@@ -10,12 +10,13 @@ import shutil
 from array import array
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_planner_roundfill import calls_st, plain_first_fit, random_templated
 
 from mcore_reshard.core.planner import fastfit, make_plan
 from mcore_reshard.core.planner import placement as P
 from mcore_reshard.core.planner.packing import RoundFill
-from test_planner_roundfill import calls_st, plain_first_fit, random_templated
 
 ck = fastfit.cfit
 needs_c = pytest.mark.skipif(ck is None, reason="the C kernel is not built (no C compiler?)")

@@ -7,6 +7,8 @@ the destination a 3-d stack cut per rank, every expert at its own local offset).
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
+from test_planner_properties import cases, check_plan
+from test_planner_templates import layered_cases
 
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.layout import Buffer, Layout, Piece
@@ -15,9 +17,6 @@ from mcore_reshard.core.planner.index import _check_tensors, source_index
 from mcore_reshard.core.planner.matching import local_mapper, match
 from mcore_reshard.core.planner.packing import _pack_rounds
 from mcore_reshard.core.planner.senders import choose_senders
-
-from test_planner_properties import cases, check_plan
-from test_planner_templates import layered_cases
 
 
 def stacked_experts(experts=6, rows=4, cols=3, ep=3, tp=4, offset=3, gate_up=True, pad=0):

@@ -6,15 +6,15 @@ import json
 from collections import Counter, defaultdict
 
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sim import apply_plan, brute_lower_bound, random_full, write_counts
 
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.layout import Buffer, Layout, Piece, shard_box, stacked
 from mcore_reshard.core.mesh import Mesh
 from mcore_reshard.core.planner import ALIGN, Plan, make_plan
 from mcore_reshard.tools.synthetic import materialize
-
-from sim import apply_plan, brute_lower_bound, random_full, write_counts
 
 
 @st.composite

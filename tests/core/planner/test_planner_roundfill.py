@@ -3,7 +3,8 @@ first fit that scans every round: the same (round, count) for every call, in any
 sizes (rising, falling, mixed: the waves order of templated placement makes lims fall)."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcore_reshard.core.planner.packing import RoundFill
 

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_planner_properties import cases, check_plan
 
 from mcore_reshard.core.layout import Buffer, Layout, Piece
-from mcore_reshard.core.planner import (ROUND_SLACK, Plan, TemplatedPlan, _fewest_rounds, make_plan, plan_part,
-                                        plan_stats, validate_plan)
-
-from test_planner_properties import cases, check_plan
+from mcore_reshard.core.planner import (
+    ROUND_SLACK,
+    Plan,
+    TemplatedPlan,
+    _fewest_rounds,
+    make_plan,
+    plan_part,
+    plan_stats,
+    validate_plan,
+)
 
 
 def _layered(cases_: list, layers: list[tuple[int, int, int]]) -> tuple[Layout, Layout]:
@@ -222,6 +230,7 @@ def test_colocated_pipeline_stages_share_one_template_rotated():
     assert loaded.hash == plan.hash and _same_messages(loaded.messages, plan.messages)
     pj["instances"][2][2] = [2, 3, 0, 2]
     import pytest
+
     from mcore_reshard.core.planner import PlanError
     with pytest.raises(PlanError, match="distinct ranks"):
         Plan.from_json(pj)

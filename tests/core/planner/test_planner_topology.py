@@ -8,15 +8,15 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sim import apply_plan, random_full, write_counts
+from test_planner_properties import side, tensor_specs
 
 from mcore_reshard.core.layout import Layout, itemsize
 from mcore_reshard.core.mesh import Mesh
 from mcore_reshard.core.planner import ALIGN, Message, Plan, PlanError, Topology, make_plan, plan_part, validate_plan
 from mcore_reshard.tools.synthetic import materialize
-
-from sim import apply_plan, random_full, write_counts
-from test_planner_properties import side, tensor_specs
 
 
 def hierarchical_bound(src: Layout, dst: Layout, domain) -> int:
@@ -367,6 +367,7 @@ def test_unstaged_views_checked_at_bind():
     as an inconsistent plan; a sound unstaged message whose source tensor is not contiguous here
     (a transposed view of the right shape) is refused naming tensor, buffer, rank and shape."""
     from unittest import mock
+
     from mcore_reshard.core.executor import preflight
     from mcore_reshard.tools.synthetic import materialize
     src, dst, bad, m = _tampered_unstaged()
@@ -395,6 +396,7 @@ def test_unstaged_verify_catches_a_corrupt_landing():
     """verify: an unstaged entry lands straight in the destination; check_unstaged compares it with
     the sender's checksum after the round: a changed byte is reported and its buffer marked bad."""
     from types import SimpleNamespace
+
     from mcore_reshard.core.executor import binding, rounds
     from mcore_reshard.core.executor.checksum import checksum
     src, dst = _unstaged_case()

@@ -19,14 +19,13 @@ import random
 
 import pytest
 import torch
+from sim import apply_plan, brute_lower_bound
 
 from mcore_reshard.core.executor import torch_dtype
 from mcore_reshard.core.layout import Buffer, Layout, shard_box, stacked
 from mcore_reshard.core.mesh import Mesh
 from mcore_reshard.core.planner import Plan, make_plan, validate_plan
 from mcore_reshard.tools.synthetic import SyntheticModel, materialize, parse_parallel, synthetic_layout, world_size_of
-
-from sim import apply_plan, brute_lower_bound
 
 N_RANDOM = 220
 N_SYNTHETIC = 40
