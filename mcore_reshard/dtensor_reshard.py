@@ -46,7 +46,7 @@ from torch.distributed.tensor import Partial
 from .core.dtensor import Replicate, Shard, _StridedShard, buffer_for
 from .core.executor import Resharder, ReshardError, all_gather_json, all_or_none
 from .core.executor.common import check_timeout, dtype_name
-from .core.executor.handshake import _checkin, exchange, missing_ranks
+from .core.executor.handshake import checkin, exchange, missing_ranks
 from .core.layout import Layout
 from .core.planner import DEFAULT_BUDGET, Plan, make_plan
 
@@ -438,7 +438,7 @@ def _run(local: _Local, group, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast
 def _reused_everywhere(group, rank: int, hit, ok: bool, timeout) -> bool:
     """Collective: whether every rank found the same cached binding (signature + binding id)."""
     t0 = time.monotonic()
-    ticket = _checkin(group)
+    ticket = checkin(group)
     try:
         msgs = exchange(group, _KIND_REUSE, digest=hit[0] if hit else "", token=hit[1]._token if hit else 0, ok=ok,
                         timeout=timeout)

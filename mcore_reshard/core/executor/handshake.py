@@ -67,7 +67,7 @@ _F_SETTLE = 4       # handshake message flag: the sender settles the outcome thr
 _SEQ: dict[str, int] = {}
 
 
-def _checkin(group) -> tuple | None:
+def checkin(group) -> tuple | None:
     """Record in the group's store that this rank reached its next check-in exchange; returns
     what :func:`missing_ranks` needs (None when the group has no store)."""
     try:
@@ -158,7 +158,7 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
     any other rank's failed.  Returns every rank's control message (``token``: each rank's)."""
     rank = dist.get_rank(group)
     t0 = time.monotonic()
-    ticket = _checkin(group)
+    ticket = checkin(group)
     try:
         msgs = exchange(group, kind, digest=digest, version=version, ok=not errors, options=options,
                         text="; ".join(errors), timeout=timeout, token=token, flags=_F_SETTLE if settle else 0)
@@ -214,7 +214,7 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     t0 = time.monotonic()
-    ticket = _checkin(group)
+    ticket = checkin(group)
     try:
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(world)]
