@@ -23,11 +23,11 @@ from pathlib import Path
 
 
 def _numbers(plan, topo, plan_s: float) -> dict:
-    from mcore_reshard.core.planner.topology import Topology, link_stats
+    from mcore_reshard.core.planner.topology import link_stats
     from mcore_reshard.tools import costmodel
     p = costmodel.predict(plan, topo)
     serial = costmodel.paced(plan, topo, pipelined=False)      # every copy after the wire
-    links = link_stats(plan.messages, Topology.of(topo))
+    links = link_stats(plan.messages, topo.topology)
     return {"plan_s": plan_s, "rounds": plan.rounds, "messages": len(plan.messages),
             "copies": sum(len(m.entries) for m in plan.messages) + len(plan.local_copies),
             "network_bytes": plan.stats["network_bytes"], **links,
@@ -57,7 +57,7 @@ def quick(name: str, budget: int, nic_pace: float | None = None, copy_share: int
     topo = costmodel.preset(conf.topology)
     src, dst = conf.build(small_config() if name == "small" else dsv3_671b())
     t0 = time.perf_counter()
-    plan = planner.make_plan(src, dst, budget_bytes=budget, ignore_unused=True, topology=topo)
+    plan = planner.make_plan(src, dst, budget_bytes=budget, ignore_unused=True, topology=topo.topology)
     plan_s = time.perf_counter() - t0
     p = costmodel.predict(plan, topo)
     return {"name": name, "nic_pace": topology.NIC_PACE, "copy_share": planner.COPY_SHARE, "plan_s": round(plan_s, 1),
@@ -87,7 +87,7 @@ def run(name: str, budget: int) -> dict:
     del flat, h
     gc.collect()
     t0 = time.perf_counter()
-    plan = make_plan(src, dst, budget_bytes=budget, ignore_unused=True, topology=topo)
+    plan = make_plan(src, dst, budget_bytes=budget, ignore_unused=True, topology=topo.topology)
     out["two_level"] = _numbers(plan, topo, time.perf_counter() - t0)
     out["two_level"]["hierarchical_bound_bytes"] = plan.stats["hierarchical_bound_bytes"]
     out["two_level"]["hash"] = plan.hash

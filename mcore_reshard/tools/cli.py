@@ -136,7 +136,7 @@ def _plan(args):
         topology = None
         if getattr(args, "two_level", False):
             from .costmodel import preset
-            topology = preset(args.hardware)       # its NVLink domain size
+            topology = preset(args.hardware).topology       # its NVLink domain size
         plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
                          allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True, topology=topology)
         seconds = time.perf_counter() - t0

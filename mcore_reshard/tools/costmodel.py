@@ -1,7 +1,8 @@
 """A link-level cost model of a refit plan: how long would it take on a real GPU cluster?
 
-Pure Python, no torch.  A :class:`Topology` says how ranks map to NVLink domains and how fast each
-GPU's links are; :func:`predict` walks a :class:`~mcore_reshard.core.planner.Plan` round by round::
+Pure Python, no torch.  A :class:`Hardware` says how fast each GPU's links are and how large an
+NVLink domain is (its :attr:`~Hardware.topology`: the planner's own
+:class:`~mcore_reshard.core.planner.Topology`, the one rank -> domain map); :func:`predict` walks a :class:`~mcore_reshard.core.planner.Plan` round by round::
 
     round time = max over ranks r of ( max(NIC out_r, NIC in_r) / nic_bw,
                                        max(NVLink out_r, NVLink in_r) / nvlink_bw )   (links overlap)
@@ -32,13 +33,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Iterable, Mapping
+
+from ..core.planner.topology import Topology as PlannerTopology
 
 GB = 1e9
 
 
 @dataclass(frozen=True)
-class Topology:
+class Hardware:
     """Per-GPU link speeds (bytes/s, one direction) and NVLink domain size."""
     name: str
     gpus_per_domain: int
@@ -50,17 +54,22 @@ class Topology:
     efficiency: float = 1.0          # achievable fraction of the peak link rates
     note: str = ""
 
+    @cached_property
+    def topology(self) -> PlannerTopology:
+        """The rank -> NVLink domain map, as the planner takes it (``make_plan(..., topology=)``)."""
+        return PlannerTopology(domain_size=self.gpus_per_domain)
+
     def domain(self, rank: int) -> int:
-        return rank // self.gpus_per_domain
+        return self.topology.domain(rank)
 
     def same_domain(self, a: int, b: int) -> bool:
-        return a // self.gpus_per_domain == b // self.gpus_per_domain
+        return self.domain(a) == self.domain(b)
 
-    def with_(self, **kw) -> "Topology":
+    def with_(self, **kw) -> "Hardware":
         return replace(self, **kw)
 
 
-def dgx_h100() -> Topology:
+def dgx_h100() -> Hardware:
     """NVIDIA DGX H100: 8 H100 SXM per node behind 4 NVSwitch chips; NVLink 4 gives every GPU
     900 GB/s of GPU-to-GPU bandwidth (450 GB/s per direction); 8 single-port ConnectX-7 400 Gb/s
     adapters for the compute fabric, one per GPU (400 Gb/s = 50 GB/s per direction); HBM3 at
@@ -68,11 +77,11 @@ def dgx_h100() -> Topology:
     System" (https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html) and the
     "NVIDIA H100 Tensor Core GPU" datasheet (https://www.nvidia.com/en-us/data-center/h100/,
     H100 SXM: 3.35 TB/s memory bandwidth, NVLink 900 GB/s)."""
-    return Topology("DGX H100", 8, 450 * GB, 50 * GB, 3.35e12,
+    return Hardware("DGX H100", 8, 450 * GB, 50 * GB, 3.35e12,
                     note="8 GPUs/NVLink domain, NVLink4 450 GB/s/dir/GPU, ConnectX-7 400 Gb/s per GPU")
 
 
-def gb200_nvl72(nic_gbit: int = 400) -> Topology:
+def gb200_nvl72(nic_gbit: int = 400) -> Hardware:
     """NVIDIA GB200 NVL72: one NVLink domain of 72 Blackwell GPUs; fifth-generation NVLink gives
     every GPU 1.8 TB/s (900 GB/s per direction; 130 TB/s for the rack); HBM3e at 8 TB/s per GPU;
     one ConnectX-7 (400 Gb/s) or ConnectX-8 SuperNIC (800 Gb/s) per GPU for the scale-out fabric.
@@ -82,7 +91,7 @@ def gb200_nvl72(nic_gbit: int = 400) -> Topology:
     (https://www.nvidia.com/en-us/networking/products/ethernet/supernic/)."""
     if nic_gbit not in (400, 800):
         raise ValueError("GB200 NVL72 NIC per GPU is 400 (ConnectX-7) or 800 (ConnectX-8) Gb/s")
-    return Topology(f"GB200 NVL72 ({nic_gbit}G NIC)", 72, 900 * GB, nic_gbit / 8 * GB, 8e12,
+    return Hardware(f"GB200 NVL72 ({nic_gbit}G NIC)", 72, 900 * GB, nic_gbit / 8 * GB, 8e12,
                     note=f"72 GPUs/NVLink domain, NVLink5 900 GB/s/dir/GPU, {nic_gbit} Gb/s NIC per GPU")
 
 
@@ -90,7 +99,7 @@ PRESETS = {"dgx_h100": dgx_h100, "gb200_nvl72": lambda: gb200_nvl72(400),
            "gb200_nvl72_800g": lambda: gb200_nvl72(800)}
 
 
-def preset(name: str) -> Topology:
+def preset(name: str) -> Hardware:
     try:
         return PRESETS[name]()
     except KeyError:
@@ -114,7 +123,7 @@ class Traffic:
             if getattr(self, f) is None:
                 setattr(self, f, defaultdict(int))
 
-    def add(self, topo: Topology, src: int, dst: int, nbytes: int, messages: int = 1, staged: bool = True) -> None:
+    def add(self, topo: Hardware, src: int, dst: int, nbytes: int, messages: int = 1, staged: bool = True) -> None:
         if topo.same_domain(src, dst):
             self.nvl_out[src] += nbytes
             self.nvl_in[dst] += nbytes
@@ -126,14 +135,14 @@ class Traffic:
             self.packed[src] += nbytes
             self.packed[dst] += nbytes
 
-    def link_time(self, topo: Topology) -> float:
+    def link_time(self, topo: Hardware) -> float:
         """max over ranks of the busiest link (NIC and NVLink run concurrently)."""
         nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
         ranks = set(self.nic_out) | set(self.nic_in) | set(self.nvl_out) | set(self.nvl_in)
         return max((max(max(self.nic_out.get(r, 0), self.nic_in.get(r, 0)) / nic,
                         max(self.nvl_out.get(r, 0), self.nvl_in.get(r, 0)) / nvl) for r in ranks), default=0.0)
 
-    def time(self, topo: Topology) -> float:
+    def time(self, topo: Hardware) -> float:
         """Link time plus each rank's message latencies and pack/unpack copies (worst rank)."""
         nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
         ranks = set(self.nic_out) | set(self.nic_in) | set(self.nvl_out) | set(self.nvl_in)
@@ -158,7 +167,7 @@ def _payload(m) -> int:
     return sum(c.nbytes for c in m.entries)
 
 
-def _local_time(plan, topo: Topology) -> float:
+def _local_time(plan, topo: Hardware) -> float:
     local = defaultdict(int)
     for c in plan.local_copies:
         local[c.dst] += c.nbytes
@@ -180,7 +189,7 @@ def edge_windows(n: int) -> tuple[int, int]:
     return min(n, CHUNK_MIN), n - lo
 
 
-def paced(plan, topo: Topology, pipelined: bool = True) -> float:
+def paced(plan, topo: Hardware, pipelined: bool = True) -> float:
     """Predicted refit time with each rank at its own pace, as the executor runs: no barrier between
     rounds, a rank starts round k when its own round k-1 is done, and a message of round k starts
     when both its ranks have started round k (:func:`predict`'s sum of round maxima assumes every
@@ -237,7 +246,7 @@ def paced(plan, topo: Topology, pipelined: bool = True) -> float:
     return max(clock.values(), default=0.0)
 
 
-def predict(plan, topo: Topology) -> dict:
+def predict(plan, topo: Hardware) -> dict:
     """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round);
     ``paced_s``: the same with each rank at its own pace (:func:`paced`)."""
     rounds: dict[int, Traffic] = defaultdict(Traffic)
@@ -253,7 +262,7 @@ def predict(plan, topo: Topology) -> dict:
             **total.summary()}
 
 
-def link_bound(plan, topo: Topology) -> float:
+def link_bound(plan, topo: Hardware) -> float:
     """Floor for the same placement: every rank's total bytes per link class / bandwidth, no
     rounds, no latency, no pack/unpack."""
     t = Traffic()
@@ -262,8 +271,8 @@ def link_bound(plan, topo: Topology) -> float:
     return t.link_time(topo)
 
 
-def hierarchical(plan, topo: Topology) -> dict:
-    """Topology exploitation, modelled on the plan: every box that several receivers of one NVLink
+def hierarchical(plan, topo: Hardware) -> dict:
+    """Hardware exploitation, modelled on the plan: every box that several receivers of one NVLink
     domain need from outside the domain crosses the network once, to the receiver with the least
     NIC traffic so far, which forwards it to the others over NVLink.  Returns the predicted time
     (link time of the new traffic + latencies of the distinct (sender, receiver) pairs + the plan's
@@ -303,7 +312,7 @@ def hierarchical(plan, topo: Topology) -> dict:
             "link_bound_s": direct.link_time(topo), "nic_bytes_saved": saved, **direct.summary()}
 
 
-def gather_broadcast_time(tensors: Iterable[Mapping], topo: Topology) -> dict:
+def gather_broadcast_time(tensors: Iterable[Mapping], topo: Hardware) -> dict:
     """Modelled time of the gather + broadcast baseline, one tensor after another (as Megatron-Bridge
     style exports run): per tensor, the holders send their shards to the root concurrently
     (busiest link of the gather), then the root broadcasts the full tensor to every receiver as a
@@ -339,5 +348,5 @@ def gather_broadcast_time(tensors: Iterable[Mapping], topo: Topology) -> dict:
     return {"seconds": total, "gather_s": gather_s, "broadcast_s": bcast_s}
 
 
-__all__ = ["GB", "PRESETS", "Topology", "Traffic", "dgx_h100", "gather_broadcast_time", "gb200_nvl72",
+__all__ = ["GB", "PRESETS", "Hardware", "Traffic", "dgx_h100", "gather_broadcast_time", "gb200_nvl72",
            "hierarchical", "link_bound", "paced", "predict", "preset"]

@@ -71,11 +71,11 @@ def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, a
     first use, one rank's part without the others') -- unless its rounds exceed
     ``ROUND_SLACK`` x the fewest possible (the busiest rank's bytes / budget): then the
     copy-by-copy plan.  (The templated plan places every instance's messages one by one, so its
-    rounds are near that bound on every full-size configuration measured: BENCHMARKS.md A.1.)
+    rounds are near that bound on every full-size configuration measured: BENCHMARKS.md A.2.)
     ``"always"``: the templated plan whatever its rounds; False: always the copy-by-copy plan.
 
-    ``topology`` (:class:`~.topology.Topology`, a domain size, a rank -> domain list, or a
-    :class:`mcore_reshard.tools.costmodel.Topology`): plan in two levels (NVLink domain / NIC, see
+    ``topology`` (:class:`~.topology.Topology`, a domain size or a rank -> domain list; a cost-model
+    preset's is ``Hardware.topology``): plan in two levels (NVLink domain / NIC, see
     :mod:`.topology`); always the copy-by-copy plan (a forwarded copy's round depends on its
     carrier's, across layers: templates do not apply).  ``None``: one level, today's plans.
     """

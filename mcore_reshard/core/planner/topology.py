@@ -60,8 +60,8 @@ class Topology:
 
     @staticmethod
     def of(x) -> "Topology | None":
-        """``None``, a Topology, a domain size (int), a rank -> domain list, or anything with
-        ``gpus_per_domain`` (:class:`mcore_reshard.tools.costmodel.Topology`)."""
+        """``None``, a Topology, a domain size (int) or a rank -> domain list (a cost-model
+        preset gives its own: ``mcore_reshard.tools.costmodel.Hardware.topology``)."""
         if x is None or isinstance(x, Topology):
             return x
         if isinstance(x, bool):
@@ -70,9 +70,6 @@ class Topology:
             return Topology(domain_size=x)
         if isinstance(x, (list, tuple)):
             return Topology(domains=tuple(x))
-        g = getattr(x, "gpus_per_domain", None)
-        if isinstance(g, int):
-            return Topology(domain_size=g)
         raise PlanError(f"topology={x!r}: a Topology, a domain size or a rank -> domain list")
 
 

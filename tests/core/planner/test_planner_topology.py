@@ -201,7 +201,7 @@ def test_topology_forms_and_errors():
     assert Topology.of(4) == Topology(domain_size=4)
     assert Topology.of([0, 0, 1]) == Topology(domains=(0, 0, 1))
     from mcore_reshard.tools.costmodel import dgx_h100
-    assert Topology.of(dgx_h100()) == Topology(domain_size=8)
+    assert Topology.of(dgx_h100().topology) == Topology(domain_size=8)
     with pytest.raises(PlanError, match="exactly one"):
         Topology()
     with pytest.raises(PlanError, match="positive"):
