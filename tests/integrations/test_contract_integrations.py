@@ -8,7 +8,7 @@ A case passes when it is ``refused`` (the library's own error types, or a ValueE
 naming the argument; the CLI: exit code 2 and a message naming the option, no traceback) or
 ``ok`` (a value the contract accepts, with a result); a raw KeyError / IndexError /
 AttributeError / torch error, a message naming nothing, or a bad value accepted (``silent``)
-fails it.  ``test_zz_counts`` prints the counts per API (RELIABILITY.md, "Generated contract suite").
+fails it.  A module fixture prints the counts per API once the module has run (RELIABILITY.md, "Generated contract suite").
 """
 from __future__ import annotations
 
@@ -20,13 +20,26 @@ import sys
 import integration_contract_cases as ic
 import pytest
 
-COUNTS: dict = {}
+LABEL = "integration contract suite"
 TMP = "/tmp/mcore-reshard-contract-never"     # file:// stores no case may reach (every join is refused first)
 
 
-def _count(api: str, verdict: str) -> None:
-    COUNTS.setdefault(api, {}).setdefault(verdict, 0)
-    COUNTS[api][verdict] += 1
+@pytest.fixture(scope="module")
+def counts(request):
+    """``counts(*keys, verdict)`` tallies one case's verdict; the tally is printed once the module has run
+    (a summary for RELIABILITY.md's table, not a test)."""
+    tally: dict = {}
+
+    def count(*keys_and_verdict: str) -> None:
+        *keys, verdict = keys_and_verdict
+        node = tally
+        for k in keys:
+            node = node.setdefault(k, {})
+        node[verdict] = node.get(verdict, 0) + 1
+    yield count
+    if tally:
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print(f"\n{LABEL}:", json.dumps(tally, sort_keys=True))
 
 
 def _table(factory):
@@ -40,10 +53,10 @@ def _ids(cases):
     return [f"{c.api}-{c.argument}-{c.kind}".replace(" ", "_") for c in cases]
 
 
-def _check(case):
+def _check(case, count):
     o = ic.record(case.run)
     verdict = ic.judge(o, case.argument.split("[")[-1].rstrip("]"), case.must_refuse)
-    _count(case.api, verdict)
+    count(case.api, verdict)
     assert verdict in ("refused", "ok"), (verdict, o)
 
 
@@ -53,32 +66,32 @@ ENGINES = ic.engine_cases(TMP)
 
 
 @pytest.mark.parametrize("case", HF, ids=_ids(HF))
-def test_hf_config(case):
-    _check(case)
+def test_hf_config(case, counts):
+    _check(case, counts)
 
 
 @pytest.mark.parametrize("case", PROTO, ids=_ids(PROTO))
-def test_protocol(case):
-    _check(case)
+def test_protocol(case, counts):
+    _check(case, counts)
 
 
 @pytest.mark.parametrize("case", ENGINES, ids=_ids(ENGINES))
-def test_engine_entry_points(case):
-    _check(case)
+def test_engine_entry_points(case, counts):
+    _check(case, counts)
 
 
 @pytest.mark.parametrize("case", ic.CLI_CASES, ids=["-".join(c[:3]) for c in ic.CLI_CASES])
-def test_cli(case, tmp_path):
+def test_cli(case, tmp_path, counts):
     command, option, kind, argv = case
     not_json = tmp_path / "config.json"
     not_json.write_text("{not json")
     o = ic.run_cli(argv, str(not_json))
     verdict = ic.judge_cli(o, option)
-    _count(f"mcore-reshard {command}" if command != "-" else "mcore-reshard", verdict)
+    counts(f"mcore-reshard {command}" if command != "-" else "mcore-reshard", verdict)
     assert verdict == "refused", (verdict, o)
 
 
-def test_cli_entry_point_help_and_a_bad_value():
+def test_cli_entry_point_help_and_a_bad_value(counts):
     """The installed entry point itself (a new process): --help exits 0, a bad value exits 2 naming it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     ok = subprocess.run([sys.executable, "-m", "mcore_reshard.tools.cli", "--help"], capture_output=True, text=True,
@@ -87,7 +100,7 @@ def test_cli_entry_point_help_and_a_bad_value():
     bad = subprocess.run([sys.executable, "-m", "mcore_reshard.tools.cli", "plan", "--budget-mib", "nan"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "budget" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-800:]
-    _count("mcore-reshard (process)", "refused")
+    counts("mcore-reshard (process)", "refused")
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +125,7 @@ COLLECTIVE_ACCEPTED = {("Fp8Resharder", "src", "wrong_dtype")}
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", COLLECTIVE, ids=lambda c: "-".join(c))
-def test_collective(collective_results, case):
+def test_collective(collective_results, case, counts):
     """export_hf / join_refit / Fp8Resharder: every rank passes the same bad value; refused on every rank,
     alike, before a destination byte changed (export: no index written)."""
     api, arg, kind = case
@@ -124,10 +137,6 @@ def test_collective(collective_results, case):
             v = "late"
         verdicts.add(v)
     v = "/".join(sorted(verdicts))
-    _count(api, v)
+    counts(api, v)
     assert v in ("refused", "ok"), (v, outcomes)
 
-
-def test_zz_counts(capsys):
-    with capsys.disabled():
-        print("\nintegration contract suite:", json.dumps(COUNTS, sort_keys=True))

@@ -9,7 +9,7 @@ TransferError, ...) within the step's deadline (``T`` + margin for a join / exch
 buffer claiming a version it does not hold; ``joined`` -- a late member the store still admitted, both
 ranks holding the group (a join only); ``hang`` -- later than the deadline, or no report;
 ``unclear`` -- another error type; ``silent`` -- it returned as if nothing happened.  Only ``raised``
-and ``joined`` pass.  ``test_zz_counts`` prints the counts (RELIABILITY.md, "Generated contract suite").
+and ``joined`` pass.  A module fixture prints the counts (RELIABILITY.md, "Generated contract suite").
 Non-lethal faults run in one launch; SIGKILL runs one launch per step (set
 ``MCORE_RESHARD_FULL_FAULTS=1`` for every step; by default: handshake, round, export write).
 """
@@ -31,7 +31,7 @@ MARGIN = 2.5
 OWN = ("ReshardError", "TransferError", "PlanError", "LayoutError")
 CASES = [(s, f, (i + j) % 2) for i, s in enumerate(fm.STEPS) for j, f in enumerate(fm.FAULTS)]
 KILL_STEPS = fm.STEPS if os.environ.get("MCORE_RESHARD_FULL_FAULTS") else ["handshake", "round", "export_write"]
-COUNTS: dict = {}
+LABEL = "fault matrix"
 
 
 def verdict(o: dict | None, step: str, victim: dict | None = None) -> str:
@@ -49,9 +49,22 @@ def verdict(o: dict | None, step: str, victim: dict | None = None) -> str:
     return "raised"
 
 
-def _count(step: str, fault: str, v: str) -> None:
-    COUNTS.setdefault(step, {}).setdefault(fault, {}).setdefault(v, 0)
-    COUNTS[step][fault][v] += 1
+@pytest.fixture(scope="module")
+def counts(request):
+    """``counts(*keys, verdict)`` tallies one case's verdict; the tally is printed once the module has run
+    (a summary for RELIABILITY.md's table, not a test)."""
+    tally: dict = {}
+
+    def count(*keys_and_verdict: str) -> None:
+        *keys, verdict = keys_and_verdict
+        node = tally
+        for k in keys:
+            node = node.setdefault(k, {})
+        node[verdict] = node.get(verdict, 0) + 1
+    yield count
+    if tally:
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print(f"\n{LABEL}:", json.dumps(tally, sort_keys=True))
 
 
 @pytest.fixture(scope="module")
@@ -63,30 +76,26 @@ def matrix():
 
 
 @pytest.mark.parametrize("k", range(len(CASES)), ids=["-".join(map(str, c)) for c in CASES])
-def test_non_lethal(matrix, k):
+def test_non_lethal(matrix, k, counts):
     step, fault, victim = CASES[k]
     survivor = 1 - victim
     o = matrix[survivor][k]
     assert o["case"] == [step, fault, victim]
     v = verdict(o, step, matrix[victim][k] if fault == "late" and step == "join" else None)
-    _count(step, fault, v)
+    counts(step, fault, v)
     assert v in ("raised", "joined"), (v, o, "victim:", matrix[victim][k])
     if step == "export_write":
         assert not o["index_written"] or fault == "late", o     # no index: from_pretrained sees no model
 
 
 @pytest.mark.parametrize("step", KILL_STEPS)
-def test_sigkill(step):
+def test_sigkill(step, counts):
     victim = 1 if step != "export_write" else 0
     with tempfile.TemporaryDirectory() as tmp:
         out = spawn_partial(fm.killed_at, 2, step, victim, T, tmp, timeout=120, pg_timeout=60)
     assert not out[victim]["ok"] and out[victim]["exitcode"] == -9, out[victim]
     o = out[1 - victim]["result"] if out[1 - victim]["ok"] else None
     v = verdict(o, step)
-    _count(step, "sigkill", v)
+    counts(step, "sigkill", v)
     assert v == "raised", (v, out[1 - victim])
 
-
-def test_zz_counts(capsys):
-    with capsys.disabled():
-        print("\nfault matrix:", json.dumps(COUNTS, sort_keys=True))
