@@ -64,7 +64,7 @@ def worker(rank: int, world: int, size: str, reps: int, old_path: str) -> list:
 
         def floor_local():      # the least any executor does here: the wire, then this rank's local copies
             floor.run()
-            LocalCopies(new.resharder, [], set()).drain()
+            LocalCopies(new.resharder._refit, [], set()).drain()
 
         fns = {"new": new.refit, "old": run_old, "floor": floor.run, "floor_local": floor_local}
         res = {k: [] for k in fns}

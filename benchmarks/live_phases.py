@@ -56,8 +56,8 @@ def worker(rank: int, world: int, size: str, direct_mins: list, reps: int) -> li
         finally:
             common._DIRECT_MIN = default
         r = refit.resharder
-        alone = _median(lambda: LocalCopies(r, [], set()).drain() if rank == 0 else None)
-        together = _median(lambda: LocalCopies(r, [], set()).drain())
+        alone = _median(lambda: LocalCopies(r._refit, [], set()).drain() if rank == 0 else None)
+        together = _median(lambda: LocalCopies(r._refit, [], set()).drain())
         fns["floor"] = live.TransportFloor(refit.plan).run
         timed = live._timed_interleaved(fns, reps)
         med = {k: sorted(o["times"])[len(o["times"]) // 2] for k, o in timed.items()}

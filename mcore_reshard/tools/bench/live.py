@@ -479,7 +479,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
 
                     def floor_local():
                         floor.run()
-                        LocalCopies(res_, [], set()).drain()
+                        LocalCopies(res_._refit, [], set()).drain()     # the floor runs its local copies as a refit does
 
                     fns["floor_local"] = floor_local
                 timed = _timed_interleaved(fns, reps)
