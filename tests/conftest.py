@@ -11,9 +11,32 @@ program (tests/engines/engine_worker.py under torchrun, vllm_engine_e2e.py) put 
 path themselves (see :mod:`repo_paths`)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+
+import pytest
 
 HELPERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 if HELPERS_DIR not in sys.path:
     sys.path.insert(0, HELPERS_DIR)
+
+
+@pytest.fixture(scope="module")
+def counts(request):
+    """``counts(*keys, verdict)`` tallies one case's verdict in a nested dict; the tally is printed once
+    the module has run, headed by the module's ``COUNTS_LABEL`` (a summary for RELIABILITY.md's
+    tables, not a test: the generated contract suites and the fault matrix use it)."""
+    tally: dict = {}
+
+    def count(*keys_and_verdict: str) -> None:
+        *keys, verdict = keys_and_verdict
+        node = tally
+        for k in keys:
+            node = node.setdefault(k, {})
+        node[verdict] = node.get(verdict, 0) + 1
+    yield count
+    if tally:
+        label = getattr(request.module, "COUNTS_LABEL", request.module.__name__)
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print(f"\n{label}:", json.dumps(tally, sort_keys=True))

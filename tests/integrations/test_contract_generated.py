@@ -19,19 +19,7 @@ import contract_cases as cc
 import pytest
 from partial_launch import spawn_ok
 
-
-@pytest.fixture(scope="module")
-def counts(request):
-    """``counts(api, verdict)`` tallies one case's verdict; the tally is printed once the module has run."""
-    tally: dict = {}
-
-    def count(api: str, verdict: str) -> None:
-        tally.setdefault(api, {}).setdefault(verdict, 0)
-        tally[api][verdict] += 1
-    yield count
-    if tally:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            print("\ngenerated contract suite:", json.dumps(tally, sort_keys=True))
+COUNTS_LABEL = "generated contract suite"     # the counts fixture (tests/conftest.py) heads its summary with it
 
 
 @pytest.fixture(scope="module")

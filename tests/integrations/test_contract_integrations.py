@@ -12,7 +12,6 @@ fails it.  A module fixture prints the counts per API once the module has run (R
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,26 +19,8 @@ import sys
 import integration_contract_cases as ic
 import pytest
 
-LABEL = "integration contract suite"
+COUNTS_LABEL = "integration contract suite"
 TMP = "/tmp/mcore-reshard-contract-never"     # file:// stores no case may reach (every join is refused first)
-
-
-@pytest.fixture(scope="module")
-def counts(request):
-    """``counts(*keys, verdict)`` tallies one case's verdict; the tally is printed once the module has run
-    (a summary for RELIABILITY.md's table, not a test)."""
-    tally: dict = {}
-
-    def count(*keys_and_verdict: str) -> None:
-        *keys, verdict = keys_and_verdict
-        node = tally
-        for k in keys:
-            node = node.setdefault(k, {})
-        node[verdict] = node.get(verdict, 0) + 1
-    yield count
-    if tally:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            print(f"\n{LABEL}:", json.dumps(tally, sort_keys=True))
 
 
 def _table(factory):

@@ -15,7 +15,6 @@ Non-lethal faults run in one launch; SIGKILL runs one launch per step (set
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -31,7 +30,7 @@ MARGIN = 2.5
 OWN = ("ReshardError", "TransferError", "PlanError", "LayoutError")
 CASES = [(s, f, (i + j) % 2) for i, s in enumerate(fm.STEPS) for j, f in enumerate(fm.FAULTS)]
 KILL_STEPS = fm.STEPS if os.environ.get("MCORE_RESHARD_FULL_FAULTS") else ["handshake", "round", "export_write"]
-LABEL = "fault matrix"
+COUNTS_LABEL = "fault matrix"
 
 
 def verdict(o: dict | None, step: str, victim: dict | None = None) -> str:
@@ -47,24 +46,6 @@ def verdict(o: dict | None, step: str, victim: dict | None = None) -> str:
     if o.get("claims_true") is False:
         return "late"
     return "raised"
-
-
-@pytest.fixture(scope="module")
-def counts(request):
-    """``counts(*keys, verdict)`` tallies one case's verdict; the tally is printed once the module has run
-    (a summary for RELIABILITY.md's table, not a test)."""
-    tally: dict = {}
-
-    def count(*keys_and_verdict: str) -> None:
-        *keys, verdict = keys_and_verdict
-        node = tally
-        for k in keys:
-            node = node.setdefault(k, {})
-        node[verdict] = node.get(verdict, 0) + 1
-    yield count
-    if tally:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            print(f"\n{LABEL}:", json.dumps(tally, sort_keys=True))
 
 
 @pytest.fixture(scope="module")
