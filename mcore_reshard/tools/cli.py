@@ -107,21 +107,16 @@ def _layouts(args, steps):
     return src, dst
 
 
-def _gather_broadcast_bytes(plan) -> int:
+def _gather_broadcast_bytes(plan, traffic) -> int:
     """What a Bridge-style export moves: every destination rank receives whole tensors for each
-    tensor it holds a piece of (after a gather on the source side, not counted)."""
-    need: dict[int, set] = {}
-    for c in list(plan.local_copies) + [c for m in plan.messages for c in m.entries]:
-        need.setdefault(c.dst, set()).add(c.tensor)
+    tensor it holds a piece of (after a gather on the source side, not counted); ``traffic``: the
+    plan's :func:`~mcore_reshard.core.planner.plan_traffic` (which tensors each rank receives)."""
     from ..core.layout import itemsize
     total = 0
-    for r, names in need.items():
+    for names in traffic.dst_tensors.values():
         for n in names:
             meta = plan.tensors[n]
-            numel = 1
-            for d in meta["shape"]:
-                numel *= d
-            total += numel * itemsize(meta["src_dtype"])
+            total += math.prod(meta["shape"]) * itemsize(meta["src_dtype"])
     return total
 
 
@@ -182,9 +177,11 @@ def cmd_plan(args) -> int:
     if getattr(args, "fp8", None):
         return cmd_plan_fp8(args)
     src, dst, plan, seconds = _plan(args)
+    from ..core.planner import plan_traffic
     s = plan.stats
     _header(args, src, dst, plan)
-    gb = _gather_broadcast_bytes(plan)
+    traffic = plan_traffic(plan)        # totals only: a templated plan's copies are never made
+    gb = _gather_broadcast_bytes(plan, traffic)
     print(f"gather+broadcast   {gb:,} B to destinations ({gb / max(1, s['network_bytes'] + s['local_bytes']):.2f}x this plan's bytes)")
     senders = max(1, sum(1 for v in s["sent_bytes"].values() if v))
     receivers = max(1, sum(1 for v in s["recv_bytes"].values() if v))
@@ -197,29 +194,28 @@ def cmd_plan(args) -> int:
         print(f"two-level          NIC {s['nic_bytes']:,} B (hierarchical bound {s['hierarchical_bound_bytes']:,}), "
               f"NVLink {s['nvlink_bytes']:,} B, forwarded {s['forwarded_bytes']:,} B (domains of "
               f"{preset(args.hardware).gpus_per_domain})")
-    pred = predict(plan, preset(args.hardware))
+    pred = predict(plan, preset(args.hardware), traffic=traffic, with_paced=False)
     print(f"predicted refit    {pred['seconds']:.3f} s on {args.hardware} (link-bound limit {pred['link_bound_s']:.3f} s)")
     print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s")
     if args.heatmap:
-        _heatmap(plan, args.heatmap)
+        _heatmap(plan.ranks, traffic, args.heatmap)
         print(f"traffic heatmap written to {args.heatmap}")
     _write(args, plan)
     return 0
 
 
-def _heatmap(plan, path: str) -> None:
-    """Sender x receiver bytes of a plan as a PNG (matplotlib, Agg)."""
+def _heatmap(ranks: list[int], traffic, path: str) -> None:
+    """Sender x receiver bytes of a plan (its :func:`~mcore_reshard.core.planner.plan_traffic`) as a
+    PNG (matplotlib, Agg)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    ranks = plan.ranks
     pos = {r: i for i, r in enumerate(ranks)}
     grid = np.zeros((len(ranks), len(ranks)))
-    for m in plan.messages:
-        grid[pos[m.src], pos[m.dst]] += sum(c.nbytes for c in m.entries)
-    for c in plan.local_copies:
-        grid[pos[c.src], pos[c.dst]] += c.nbytes
+    for totals in (traffic.pair_bytes, traffic.local_bytes):
+        for (s, d), n in totals.items():
+            grid[pos[s], pos[d]] += n
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(grid, cmap="viridis", interpolation="nearest")
     ax.set_xlabel("receiving rank")

@@ -31,12 +31,13 @@ measurements.  Presets cite the vendor spec sheets in their docstrings.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Mapping
 
 from ..core.planner.topology import Topology as PlannerTopology
+from ..core.planner.traffic import PlanTraffic, plan_traffic
 
 GB = 1e9
 
@@ -167,10 +168,11 @@ def _payload(m) -> int:
     return sum(c.nbytes for c in m.entries)
 
 
-def _local_time(plan, topo: Hardware) -> float:
-    local = defaultdict(int)
-    for c in plan.local_copies:
-        local[c.dst] += c.nbytes
+def _local_time(traffic: PlanTraffic, topo: Hardware) -> float:
+    """The slowest rank's local copies (read + write at HBM speed)."""
+    local: dict[int, int] = defaultdict(int)
+    for (_, d), n in traffic.local_bytes.items():
+        local[d] += n
     return max((2 * b / topo.hbm_bw for b in local.values()), default=0.0)
 
 
@@ -246,29 +248,70 @@ def paced(plan, topo: Hardware, pipelined: bool = True) -> float:
     return max(clock.values(), default=0.0)
 
 
-def predict(plan, topo: Hardware) -> dict:
-    """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round);
-    ``paced_s``: the same with each rank at its own pace (:func:`paced`)."""
-    rounds: dict[int, Traffic] = defaultdict(Traffic)
-    total = Traffic()
-    for m in plan.messages:
-        n, staged = _payload(m), not getattr(m, "unstaged", False)
-        rounds[m.round].add(topo, m.src, m.dst, n, staged=staged)
-        total.add(topo, m.src, m.dst, n, staged=staged)
-    local_s = _local_time(plan, topo)
-    per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
-    return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo), "local_s": local_s,
-            "rounds": len(per_round), "round_s": per_round, "link_bound_s": link_bound(plan, topo),
-            **total.summary()}
+def predict(plan, topo: Hardware, *, traffic: PlanTraffic | None = None, with_paced: bool = True) -> dict:
+    """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round),
+    from its traffic totals (:func:`~mcore_reshard.core.planner.plan_traffic`, or ``traffic`` when
+    given: a templated plan's copies are never made); ``paced_s`` (``with_paced``): the same with
+    each rank at its own pace (:func:`paced`, which walks the plan's messages and local copies)."""
+    tr = plan_traffic(plan) if traffic is None else traffic
+    per_round = [t + topo.round_latency_s for t in _round_times(tr, topo)]
+    local_s = _local_time(tr, topo)
+    out = {"topology": topo.name, "seconds": local_s + sum(per_round)}
+    if with_paced:
+        out["paced_s"] = paced(plan, topo)
+    return {**out, "local_s": local_s, "rounds": len(per_round), "round_s": per_round,
+            "link_bound_s": link_bound(plan, topo, traffic=tr), **_totals(tr, topo).summary()}
 
 
-def link_bound(plan, topo: Hardware) -> float:
-    """Floor for the same placement: every rank's total bytes per link class / bandwidth, no
-    rounds, no latency, no pack/unpack."""
+def _round_times(tr: PlanTraffic, topo: Hardware) -> list[float]:
+    """Per round with messages, in round order: :meth:`Traffic.time` of its messages, from the
+    per-(round, rank) totals summed here message by message (integers: exact in any order)."""
+    span = 1 + max(max(tr.src, default=0), max(tr.dst, default=0))
+    dom = [topo.domain(r) for r in range(span)]
+    nic_out: dict[int, int] = defaultdict(int)      # round * span + rank -> bytes
+    nic_in: dict[int, int] = defaultdict(int)
+    nvl_out: dict[int, int] = defaultdict(int)
+    nvl_in: dict[int, int] = defaultdict(int)
+    packed: dict[int, int] = defaultdict(int)
+    posted: dict[int, int] = defaultdict(int)
+    for g, s, d, n, unstaged in zip(tr.rounds, tr.src, tr.dst, tr.payload, tr.unstaged):
+        ks, kd = g * span + s, g * span + d
+        if dom[s] == dom[d]:
+            nvl_out[ks] += n
+            nvl_in[kd] += n
+        else:
+            nic_out[ks] += n
+            nic_in[kd] += n
+        posted[ks] += 1
+        if not unstaged:
+            packed[ks] += n
+            packed[kd] += n
+    nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
+    lat, hbm = topo.msg_latency_s, topo.hbm_bw
+    worst: dict[int, float] = {}
+    for k in set(nic_out) | set(nic_in) | set(nvl_out) | set(nvl_in):
+        t = max(max(nic_out.get(k, 0), nic_in.get(k, 0)) / nic, max(nvl_out.get(k, 0), nvl_in.get(k, 0)) / nvl)
+        t += lat * posted.get(k, 0) + 2 * packed.get(k, 0) / hbm
+        g = k // span
+        if t > worst.get(g, -1.0):
+            worst[g] = t
+    return [worst[g] for g in sorted(worst)]
+
+
+def _totals(tr: PlanTraffic, topo: Hardware) -> Traffic:
+    """All rounds merged: bytes per rank and link class, messages each rank posts (no pack / unpack)."""
     t = Traffic()
-    for m in plan.messages:
-        t.add(topo, m.src, m.dst, _payload(m))
-    return t.link_time(topo)
+    for (s, d), n in tr.pair_bytes.items():
+        t.add(topo, s, d, n, messages=0, staged=False)
+    for s, count in Counter(tr.src).items():
+        t.msgs[s] += count
+    return t
+
+
+def link_bound(plan, topo: Hardware, *, traffic: PlanTraffic | None = None) -> float:
+    """Floor for the same placement: every rank's total bytes per link class / bandwidth, no
+    rounds, no latency, no pack/unpack (from the per-pair totals, ``traffic`` when given)."""
+    return _totals(plan_traffic(plan) if traffic is None else traffic, topo).link_time(topo)
 
 
 def hierarchical(plan, topo: Hardware) -> dict:
@@ -308,7 +351,10 @@ def hierarchical(plan, topo: Hardware) -> dict:
     for s, _ in pairs:
         direct.msgs[s] += 1
     rounds = max(plan.rounds, 1)
-    return {"seconds": _local_time(plan, topo) + direct.time(topo) + rounds * topo.round_latency_s,
+    local = PlanTraffic(local_bytes=defaultdict(int))      # (the messages were walked above)
+    for c in plan.local_copies:
+        local.local_bytes[(c.src, c.dst)] += c.nbytes
+    return {"seconds": _local_time(local, topo) + direct.time(topo) + rounds * topo.round_latency_s,
             "link_bound_s": direct.link_time(topo), "nic_bytes_saved": saved, **direct.summary()}
 
 

@@ -162,7 +162,7 @@ def test_costmodel_paced_hand_checked():
     gb = 10 ** 9
 
     def msg(k, s, d, n):
-        return NS(round=k, src=s, dst=d, entries=[NS(nbytes=n)])
+        return NS(round=k, src=s, dst=d, unstaged=False, entries=[NS(nbytes=n, tensor="w")])
     plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 24, gb // 10), msg(1, 16, 24, gb)], local_copies=[])
     assert costmodel.predict(plan, topo)["seconds"] == pytest.approx(0.040)
     assert costmodel.paced(plan, topo) == pytest.approx(0.022)
