@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mcore_reshard.core.planner import make_plan, plan_traffic
+from mcore_reshard.core.planner import TemplatedPlan, make_plan, plan_traffic
 from mcore_reshard.tools import costmodel, layout_strings
 from mcore_reshard.tools.bench.configs import small_config
 from mcore_reshard.tools.cli import _gather_broadcast_bytes
@@ -138,6 +138,22 @@ def _layouts(src: str, dst: str, colocated: bool, cfg=None):
             layout_strings.build(d, cfg, 0 if colocated else s.world(), "bfloat16"))
 
 
+def _no_copies(monkeypatch) -> None:
+    """A templated plan whose messages or local copies are asked for fails the test."""
+    def made(self):
+        pytest.fail("the report made the templated plan's copies")
+    monkeypatch.setattr(TemplatedPlan, "messages", property(made))
+    monkeypatch.setattr(TemplatedPlan, "local_copies", property(made))
+
+
+def test_cli_plan_makes_no_copy_of_a_templated_plan(monkeypatch, capsys):
+    from mcore_reshard.tools.cli import main
+    _no_copies(monkeypatch)
+    assert main(["plan", "--model", "dsv3-tiny", "--src", "tp=1,pp=2,ep=2,etp=1", "--dst", "vllm:tp=2,dp=2,ep"]) == 0
+    out = capsys.readouterr().out
+    assert "gather+broadcast" in out and "predicted refit" in out and "templates" not in out
+
+
 def _new_report(plan) -> dict:
     """What the CLI computes now, before anything has made the plan's copies."""
     traffic = plan_traffic(plan)
@@ -164,15 +180,17 @@ def _ref_report(plan) -> dict:
     ("tp=2,pp=2,ep=4,etp=1", "sglang:tp=4,dp=4,ep=4,dpattn", True, None),                   # local copies
     ("tp=2,pp=2,ep=4,etp=1", "vllm:tp=2,dp=2", True, 4),
 ])
-def test_report_from_totals_equals_the_per_message_reference(src, dst, colocated, topology):
+def test_report_from_totals_equals_the_per_message_reference(src, dst, colocated, topology, monkeypatch):
     s, d = _layouts(src, dst, colocated)
     plan = make_plan(s, d, budget_bytes=1 << 20, ignore_unused=True, topology=topology)
     if topology is None:
-        assert type(plan).__name__ == "TemplatedPlan"
-    new = _new_report(plan)
-    if topology is None:
-        assert not plan.views_made          # the totals made no copy
+        assert isinstance(plan, TemplatedPlan)
+        plan.summary()                      # what the CLI prints first (it makes the padding view)
+        with monkeypatch.context() as m:    # the totals make no copy
+            _no_copies(m)
+            new = _new_report(plan)
     else:
+        new = _new_report(plan)
         assert any(m.unstaged for m in plan.messages) and any(m.forward for m in plan.messages)
     if colocated:
         assert plan.stats["local_bytes"] > 0
@@ -210,8 +228,10 @@ def test_full_size_report_from_totals_equals_the_reference_values():
     s, d = _layouts("tp=1,pp=4,ep=16,etp=1,dp=32,first=16,last=15", "vllm:tp=8,dp=16,ep", False, dsv3_671b())
     plan = make_plan(s, d, ignore_unused=True)
     assert plan.hash == NCCL_M2N_HASH          # the plan the reference values are of
-    new = _new_report(plan)
-    assert not plan.views_made
+    plan.summary()
+    with pytest.MonkeyPatch.context() as m:
+        _no_copies(m)
+        new = _new_report(plan)
     assert new["gb"] == NCCL_M2N_REFERENCE["gb"]
     for name in sorted(costmodel.PRESETS):
         got = {k: v for k, v in new[name].items() if k != "round_s"}

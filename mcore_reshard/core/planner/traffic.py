@@ -20,6 +20,8 @@ from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from .templates import TemplatedPlan
+
 
 @dataclass
 class PlanTraffic:
@@ -46,8 +48,9 @@ class PlanTraffic:
 
 def plan_traffic(plan) -> PlanTraffic:
     """The traffic totals of ``plan`` (a :class:`~.plan.Plan`, a part of one, or a
-    :class:`~.templates.TemplatedPlan`, whose copies are not made)."""
-    if hasattr(plan, "templates") and hasattr(plan, "placement") and not plan.views_made:
+    :class:`~.templates.TemplatedPlan`: from its templates, instances and placement, whether or not
+    its views were made, and without making them)."""
+    if isinstance(plan, TemplatedPlan):
         return _templated(plan)
     return _copies(plan)
 
