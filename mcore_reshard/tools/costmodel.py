@@ -31,11 +31,12 @@ measurements.  Presets cite the vendor spec sheets in their docstrings.
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Mapping
 
+from ..core.gcpause import paused_gc
 from ..core.planner.topology import Topology as PlannerTopology
 from ..core.planner.traffic import PlanTraffic, plan_traffic
 
@@ -263,36 +264,38 @@ def predict(plan, topo: Hardware, *, traffic: PlanTraffic | None = None, with_pa
             "link_bound_s": link_bound(plan, topo, traffic=tr), **_totals(tr, topo).summary()}
 
 
+@paused_gc()
 def _round_times(tr: PlanTraffic, topo: Hardware) -> list[float]:
     """Per round with messages, in round order: :meth:`Traffic.time` of its messages, from the
-    per-(round, rank) totals summed here message by message (integers: exact in any order)."""
+    per-(round, rank) totals summed here part by part (integers: exact in any order)."""
     span = 1 + max(max(tr.src, default=0), max(tr.dst, default=0))
     dom = [topo.domain(r) for r in range(span)]
     nic_out: dict[int, int] = defaultdict(int)      # round * span + rank -> bytes
     nic_in: dict[int, int] = defaultdict(int)
     nvl_out: dict[int, int] = defaultdict(int)
     nvl_in: dict[int, int] = defaultdict(int)
-    packed: dict[int, int] = defaultdict(int)
-    posted: dict[int, int] = defaultdict(int)
-    for g, s, d, n, unstaged in zip(tr.rounds, tr.src, tr.dst, tr.payload, tr.unstaged):
-        ks, kd = g * span + s, g * span + d
+    for g, s, d, n in zip(tr.rounds, tr.src, tr.dst, tr.payload):
+        base = g * span
         if dom[s] == dom[d]:
-            nvl_out[ks] += n
-            nvl_in[kd] += n
+            nvl_out[base + s] += n
+            nvl_in[base + d] += n
         else:
-            nic_out[ks] += n
-            nic_in[kd] += n
-        posted[ks] += 1
-        if not unstaged:
-            packed[ks] += n
-            packed[kd] += n
+            nic_out[base + s] += n
+            nic_in[base + d] += n
+    unpacked: dict[int, int] = defaultdict(int)     # bytes of unstaged messages: neither packed nor unpacked
+    for i in (i for i, u in enumerate(tr.unstaged) if u):
+        base, n = tr.rounds[i] * span, tr.payload[i]
+        unpacked[base + tr.src[i]] += n
+        unpacked[base + tr.dst[i]] += n
     nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
-    lat, hbm = topo.msg_latency_s, topo.hbm_bw
+    lat, hbm, posted = topo.msg_latency_s, topo.hbm_bw, tr.posted
     worst: dict[int, float] = {}
     for k in set(nic_out) | set(nic_in) | set(nvl_out) | set(nvl_in):
-        t = max(max(nic_out.get(k, 0), nic_in.get(k, 0)) / nic, max(nvl_out.get(k, 0), nvl_in.get(k, 0)) / nvl)
-        t += lat * posted.get(k, 0) + 2 * packed.get(k, 0) / hbm
-        g = k // span
+        no, ni, vo, vi = nic_out.get(k, 0), nic_in.get(k, 0), nvl_out.get(k, 0), nvl_in.get(k, 0)
+        packed = no + ni + vo + vi - unpacked.get(k, 0)
+        t = max(max(no, ni) / nic, max(vo, vi) / nvl)
+        g, r = divmod(k, span)
+        t += lat * posted.get((g, r), 0) + 2 * packed / hbm
         if t > worst.get(g, -1.0):
             worst[g] = t
     return [worst[g] for g in sorted(worst)]
@@ -303,7 +306,7 @@ def _totals(tr: PlanTraffic, topo: Hardware) -> Traffic:
     t = Traffic()
     for (s, d), n in tr.pair_bytes.items():
         t.add(topo, s, d, n, messages=0, staged=False)
-    for s, count in Counter(tr.src).items():
+    for (_, s), count in tr.posted.items():
         t.msgs[s] += count
     return t
 
