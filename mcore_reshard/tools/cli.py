@@ -59,51 +59,132 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="destination dtype (differs from --dtype: cast on the receiver)")
 
 
+#: a Hugging Face config.json field the layouts cannot do without (a whole number >= 1)
+REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+#: most ranks a layout string may take (a typo such as dp=1000000 would otherwise build for hours)
+MAX_WORLD = 1 << 16
+
+
+def _families() -> str:
+    """'deepseek_v3 (model_type deepseek_v3, deepseek_v2), llama (...), ...'."""
+    from ..targets.config import FAMILY_OF_MODEL_TYPE
+    by_family: dict[str, list[str]] = {}
+    for model_type, family in FAMILY_OF_MODEL_TYPE.items():
+        by_family.setdefault(family, []).append(model_type)
+    return ", ".join(f"{f} (model_type {', '.join(ts)})" for f, ts in sorted(by_family.items()))
+
+
 def _model_config(args):
     from .. import targets
     if args.config:
+        from ..targets.config import FAMILY_OF_MODEL_TYPE
         with open(args.config) as f:
             try:
                 config = json.load(f)
             except ValueError as e:
                 raise ValueError(f"--config {args.config}: not a JSON config: {e}") from None
-        return targets.from_hf_config(config)
+        if not isinstance(config, dict):
+            raise ValueError(f"--config {args.config}: a JSON {type(config).__name__}, not a config object")
+        model_type = config.get("model_type")
+        if model_type not in FAMILY_OF_MODEL_TYPE:
+            raise ValueError(f"--config {args.config}: model_type {model_type!r} is of no family this tool knows; "
+                             f"the families there are: {_families()}")
+        bad = [k for k in REQUIRED_CONFIG_FIELDS
+               if not (type(config.get(k)) is int and config[k] >= 1)]
+        if bad:
+            raise ValueError(f"--config {args.config}: " + ", ".join(
+                f"{k} {'missing' if k not in config else repr(config[k])}" for k in bad)
+                + f"; a {model_type} config.json gives each of {', '.join(REQUIRED_CONFIG_FIELDS)} as a whole "
+                "number >= 1")
+        try:
+            return targets.from_hf_config(config)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"--config {args.config}: {type(e).__name__}: {e}") from None
     return getattr(targets, PRESETS[args.model])()
 
 
-def _check_layout_options(args) -> None:
-    """``--src`` / ``--dst`` parsed once up front, so that a bad string is an error naming its option."""
+def _model_name(args) -> str:
+    return args.config if args.config else args.model
+
+
+def _check_layout_options(args) -> dict:
+    """``--src`` / ``--dst`` parsed once up front, so that a bad string is an error naming its
+    option and the bad part (the grammar: :data:`.layout_strings.GRAMMAR`): option -> LayoutSpec."""
     from . import layout_strings
+    specs = {}
     for option, text in (("--src", args.src), ("--dst", args.dst)):
-        if not text.strip():
-            raise ValueError(f"{option}: empty layout string")
         try:
-            layout_strings.parse(text)
+            specs[option] = spec = layout_strings.parse(text)
+            world = spec.world()
+        except ValueError as e:
+            raise ValueError(f"{option} {text!r}: {e}") from None
+        if world > MAX_WORLD:
+            raise ValueError(f"{option} {text!r}: {world:,} ranks; this tool plans at most {MAX_WORLD:,}")
+    return specs
+
+
+def _synthetic_sizes(args) -> None:
+    """The synthetic model's layouts take Megatron strings only: each option checked on its own."""
+    from .synthetic import parse_parallel
+    for option, text in (("--src", args.src), ("--dst", args.dst)):
+        try:
+            parse_parallel(text)
         except ValueError as e:
             raise ValueError(f"{option} {text!r}: {e}") from None
 
 
+def _source_fits(args, spec, cfg) -> None:
+    """A Megatron source's expert parallelism against its world and its layers against its pipeline
+    stages, checked before anything is built; a ValueError naming the fix, with numbers for ``cfg``."""
+    from . import layout_fixes, layout_strings
+    sizes = layout_strings.megatron_sizes(spec)
+    fix = layout_fixes.expert_dp_fix(sizes)
+    if fix:
+        raise ValueError(f"--src {args.src!r}: world {sizes.world} = tp*pp*cp*dp is not a multiple of "
+                         f"etp*ep*pp = {sizes.etp}*{sizes.ep}*{sizes.pp}; fits: {fix}")
+    layers = cfg.num_hidden_layers
+    fix = layout_fixes.stage_fix(layers, spec)
+    if fix:
+        what = (f"{layers} layers do not divide over pp={sizes.pp} x vpp={sizes.vpp}"
+                if sizes.first_stage_layers is None and sizes.last_stage_layers is None else
+                f"{layers} layers cannot be split as first={sizes.first_stage_layers} "
+                f"last={sizes.last_stage_layers} over pp={sizes.pp}")
+        raise ValueError(f"--src {args.src!r}: {what} ({_model_name(args)}); what fits (first= / last=: layers on "
+                         f"the first / last pipeline stage): {fix}")
+
+
+def _build(option: str, text: str, spec, cfg, args, rank_offset: int, dtype: str):
+    """The layout of ``spec`` for ``cfg``; a size that does not fit the model is an error naming the
+    sizes that do (:func:`.layout_fixes.fix_text`)."""
+    from . import layout_fixes, layout_strings
+    try:
+        return layout_strings.build(spec, cfg, rank_offset, dtype)
+    except ValueError as e:
+        raise ValueError(f"{option} {text!r}: {e}{layout_fixes.fix_text(spec, cfg, _model_name(args))}") from None
+
+
 def _layouts(args, steps):
     """(source, destination) layouts for the plan/explain commands."""
-    _check_layout_options(args)
+    specs = _check_layout_options(args)
     if args.model == "synthetic" and not args.config:
         from .demo import build_layouts
+        _synthetic_sizes(args)
         steps.step("synthetic layouts")
         try:
             return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
         except ValueError as e:   # the builder sees both strings: name the options it was given
             raise ValueError(f"--src {args.src!r} / --dst {args.dst!r}: {e}") from None
-    from . import layout_strings
     cfg = _model_config(args)
-    src_spec, dst_spec = layout_strings.parse(args.src), layout_strings.parse(args.dst)
+    src_spec, dst_spec = specs["--src"], specs["--dst"]
     if src_spec.engine != "megatron":
-        raise ValueError(f"the source must be a Megatron layout, got {args.src!r}")
-    what = args.model if not args.config else args.config
-    steps.step(f"source layout {args.src} of {what}")
-    src = layout_strings.build(src_spec, cfg, 0, args.dtype)
+        raise ValueError(f"--src {args.src!r}: the source must be a Megatron layout (e.g. 'tp=2,pp=2'), "
+                         f"not {src_spec.engine}")
+    _source_fits(args, src_spec, cfg)
+    steps.step(f"source layout {args.src} of {_model_name(args)}")
+    src = _build("--src", args.src, src_spec, cfg, args, 0, args.dtype)
     offset = 0 if args.colocated else src_spec.world()
     steps.step(f"destination layout {args.dst}")
-    dst = layout_strings.build(dst_spec, cfg, offset, args.dst_dtype or args.dtype)
+    dst = _build("--dst", args.dst, dst_spec, cfg, args, offset, args.dst_dtype or args.dtype)
     return src, dst
 
 
@@ -174,6 +255,12 @@ def _write(args, plan) -> None:
 
 
 def cmd_plan(args) -> int:
+    from ..core.gcpause import paused_gc
+    with paused_gc():       # layouts, plan and report: millions of acyclic objects, no garbage cycles
+        return _cmd_plan(args)
+
+
+def _cmd_plan(args) -> int:
     if getattr(args, "fp8", None):
         return cmd_plan_fp8(args)
     src, dst, plan, seconds = _plan(args)
@@ -248,9 +335,10 @@ def cmd_explain(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    _check_layout_options(args)
+    _synthetic_sizes(args)
     from .demo import demo_worker, world_needed
     from .launch import spawn
-    _check_layout_options(args)
     world = world_needed(args.src, args.dst, args.colocated)
     from ..util.progress import Steps
     with Steps(2, "demo") as steps:
@@ -281,12 +369,20 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def _add_global_args(p: argparse.ArgumentParser, default) -> None:
+    """The options every command takes, before or after its name (``mcore-reshard --progress never
+    plan ...`` = ``mcore-reshard plan ... --progress never``): on the main parser with their default,
+    on each subparser with ``argparse.SUPPRESS`` (given there, it overrides; not given, the main
+    parser's value stands)."""
+    p.add_argument("--progress", choices=["auto", "always", "never"], default=default,
+                   help="progress bars on stderr: auto = only on a terminal (default; also "
+                        "MCORE_RESHARD_PROGRESS), always, never")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mcore-reshard", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--progress", choices=["auto", "always", "never"], default=None,
-                        help="progress bars on stderr: auto = only on a terminal (default; also "
-                             "MCORE_RESHARD_PROGRESS), always, never")
+    _add_global_args(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="reshard a synthetic model on local gloo processes and check it bit for bit")
     _add_layout_args(p)
@@ -316,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
     from .bench import add_bench_parser
     add_bench_parser(sub)
+    for p in sub.choices.values():      # global options also after the subcommand
+        _add_global_args(p, argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from ..util import progress
     if args.progress:

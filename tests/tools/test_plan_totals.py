@@ -177,7 +177,7 @@ def _ref_report(plan) -> dict:
 @pytest.mark.parametrize("src,dst,colocated,topology", [
     ("tp=1,pp=4,ep=4,etp=1,dp=4,first=1,last=1", "vllm:tp=4,dp=4,ep", False, None),        # bench "small"
     ("tp=1,pp=4,ep=4,etp=1,dp=4,first=1,last=1", "vllm:tp=4,dp=4,ep", False, 8),           # two-level: forwarded, unstaged
-    ("tp=2,pp=2,ep=4,etp=1", "sglang:tp=4,dp=4,ep=4,dpattn", True, None),                   # local copies
+    ("tp=2,pp=2,ep=4,etp=1", "sglang:tp=4,dp=4,ep=4,dpattn,replicas=2", True, None),        # local copies, replicas
     ("tp=2,pp=2,ep=4,etp=1", "vllm:tp=2,dp=2", True, 4),
 ])
 def test_report_from_totals_equals_the_per_message_reference(src, dst, colocated, topology, monkeypatch):
