@@ -28,9 +28,18 @@ Layout strings (see docs/layout-strings.md):
 The demo's synthetic model takes Megatron strings only: "tp=2,pp=2,ep=2,etp=1,dp=1".
 """
 
+#: ``--model`` name -> "module:function" (relative to mcore_reshard) making its ModelConfig
 PRESETS = {
-    "dsv3-671b": "dsv3_671b", "dsv3-tiny": "dsv3_tiny", "llama-tiny": "gqa_tiny", "qwen3-moe-tiny": "qwen3_moe_tiny",
+    "dsv3-671b": "targets:dsv3_671b", "dsv3-tiny": "targets:dsv3_tiny", "llama-tiny": "targets:gqa_tiny",
+    "qwen3-moe-tiny": "targets:qwen3_moe_tiny", "kimi-k2-1t": "tools.bench.configs:kimi_k2_1t",
 }
+
+
+def model_preset(name: str):
+    """The ModelConfig of ``--model name`` (:data:`PRESETS`)."""
+    import importlib
+    module, _, function = PRESETS[name].partition(":")
+    return getattr(importlib.import_module(f"mcore_reshard.{module}"), function)()
 
 
 def _positive(kind):
@@ -100,7 +109,7 @@ def _model_config(args):
             return targets.from_hf_config(config)
         except (TypeError, ValueError, KeyError) as e:
             raise ValueError(f"--config {args.config}: {type(e).__name__}: {e}") from None
-    return getattr(targets, PRESETS[args.model])()
+    return model_preset(args.model)
 
 
 def _model_name(args) -> str:

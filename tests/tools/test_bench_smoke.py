@@ -199,3 +199,27 @@ def test_costmodel_paced_pipelines_pack_and_unpack():
     assert costmodel.paced(plan, slow) == pytest.approx(2 * 10 ** 9 / 50e9 + 2 * 11192832 / 50e9, rel=1e-12)
     plan.messages[0].unstaged = True            # straight from / into the tensors: no copies at all
     assert costmodel.paced(plan, slow) == pytest.approx(0.020, rel=1e-12)
+
+
+def test_cli_column_measures_the_command_beside_its_plan_build_time():
+    """BENCHMARKS A's column "CLI wall / plan build": ``mcore-reshard plan`` in a fresh process on the
+    scaled-down configuration (its model as a config.json), its wall from outside against the plan
+    build time the same process prints."""
+    from mcore_reshard.targets import from_hf_config
+    from mcore_reshard.tools.bench.fullsize import hf_config_json
+    assert from_hf_config(hf_config_json(bench.small_config())) == bench.small_config()
+    c = bench.run_cli("small", timeout=300)
+    assert "error" not in c, c
+    assert c["command"].startswith("mcore-reshard --progress never plan --config ")
+    assert 0 < c["plan_s"] < c["wall_s"] and c["wall_over_plan"] == c["wall_s"] / c["plan_s"]
+    assert 10 << 20 < c["max_rss_bytes"] < 1 << 30
+    assert "x** (" in bench.report.markdown_cli([{"name": "small", "cli": c}])
+    # every full-size configuration is a command line: the model a preset, both layouts strings
+    from mcore_reshard.tools import layout_strings
+    from mcore_reshard.tools.cli import PRESETS
+    for name, conf in bench.CONFIGS.items():
+        args = conf.cli_args()
+        assert args[:3] == ["plan", "--model", conf.model_name] and (name == "small" or conf.model_name in PRESETS)
+        assert ("--colocated" in args) == conf.colocated
+        src, dst = layout_strings.parse(conf.src_layout), layout_strings.parse(conf.dst_layout)
+        assert src.engine == "megatron" and src.world() > 0 and dst.world() > 0
