@@ -389,6 +389,19 @@ def _add_global_args(p: argparse.ArgumentParser, default) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``mcore-reshard`` command.  Third-party notices no one can act on (:mod:`..util.notices`)
+    go to a log file, one line at the end says where; every other warning shows."""
+    from ..util import notices
+    with notices.captured() as kept:
+        try:
+            return _main(argv)
+        finally:
+            line = kept.summary()
+            if line:
+                print(f"[mcore-reshard] {line}", file=sys.stderr)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="mcore-reshard", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_global_args(parser, None)
