@@ -202,12 +202,8 @@ def _gather_broadcast_bytes(plan, traffic) -> int:
     tensor it holds a piece of (after a gather on the source side, not counted); ``traffic``: the
     plan's :func:`~mcore_reshard.core.planner.plan_traffic` (which tensors each rank receives)."""
     from ..core.layout import itemsize
-    total = 0
-    for names in traffic.dst_tensors.values():
-        for n in names:
-            meta = plan.tensors[n]
-            total += math.prod(meta["shape"]) * itemsize(meta["src_dtype"])
-    return total
+    size = {n: math.prod(meta["shape"]) * itemsize(meta["src_dtype"]) for n, meta in plan.tensors.items()}
+    return sum(sum(map(size.__getitem__, names)) for names in traffic.dst_tensors.values())
 
 
 def _plan(args):
@@ -307,11 +303,15 @@ def _heatmap(ranks: list[int], traffic, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    pos = {r: i for i, r in enumerate(ranks)}
+
+    from .costmodel import parts_arrays
+    pos = np.full(traffic.span, -1)
+    pos[ranks] = np.arange(len(ranks))
     grid = np.zeros((len(ranks), len(ranks)))
-    for totals in (traffic.pair_bytes, traffic.local_bytes):
-        for (s, d), n in totals.items():
-            grid[pos[s], pos[d]] += n
+    parts = parts_arrays(traffic)
+    np.add.at(grid, (pos[parts.src], pos[parts.dst]), parts.payload)
+    for (s, d), n in traffic.local_bytes.items():
+        grid[pos[s], pos[d]] += n
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(grid, cmap="viridis", interpolation="nearest")
     ax.set_xlabel("receiving rank")

@@ -157,9 +157,9 @@ def test_cli_plan_makes_no_copy_of_a_templated_plan(monkeypatch, capsys):
 def _new_report(plan) -> dict:
     """What the CLI computes now, before anything has made the plan's copies."""
     traffic = plan_traffic(plan)
+    pairs = traffic.pair_bytes()
     out = {"gb": _gather_broadcast_bytes(plan, traffic),
-           "heat": {k: traffic.pair_bytes.get(k, 0) + traffic.local_bytes.get(k, 0)
-                    for k in set(traffic.pair_bytes) | set(traffic.local_bytes)}}
+           "heat": {k: pairs.get(k, 0) + traffic.local_bytes.get(k, 0) for k in set(pairs) | set(traffic.local_bytes)}}
     for name in sorted(costmodel.PRESETS):
         p = costmodel.predict(plan, costmodel.preset(name), traffic=traffic, with_paced=False)
         out[name] = {k: p[k] for k in KEYS}
@@ -196,6 +196,11 @@ def test_report_from_totals_equals_the_per_message_reference(src, dst, colocated
         assert plan.stats["local_bytes"] > 0
     ref = _ref_report(plan)
     assert new == ref                       # floats included: bit for bit
+    traffic = plan_traffic(plan)            # without numpy: loops over the parts, the same floats
+    for name in sorted(costmodel.PRESETS):
+        topo = costmodel.preset(name)
+        assert costmodel.predict(plan, topo, traffic=traffic, with_paced=False, vectorised=False) == \
+            costmodel.predict(plan, topo, traffic=traffic, with_paced=False, vectorised=True)
 
 
 # The per-message reference (``REF_*``) run on the full-size ``nccl_m2n`` (it makes the templated plan's
