@@ -199,11 +199,9 @@ def _layouts(args, steps):
 
 def _gather_broadcast_bytes(plan, traffic) -> int:
     """What a Bridge-style export moves: every destination rank receives whole tensors for each
-    tensor it holds a piece of (after a gather on the source side, not counted); ``traffic``: the
-    plan's :func:`~mcore_reshard.core.planner.plan_traffic` (which tensors each rank receives)."""
-    from ..core.layout import itemsize
-    size = {n: math.prod(meta["shape"]) * itemsize(meta["src_dtype"]) for n, meta in plan.tensors.items()}
-    return sum(sum(map(size.__getitem__, names)) for names in traffic.dst_tensors.values())
+    tensor it holds a piece of (after a gather on the source side, not counted): the plan's
+    :func:`~mcore_reshard.core.planner.plan_traffic` ``received_bytes``."""
+    return traffic.received_bytes
 
 
 def _plan(args):
@@ -211,7 +209,9 @@ def _plan(args):
     from ..util.progress import Steps
     synthetic = args.model == "synthetic" and not args.config
     with Steps(3 if synthetic else 4, args.command) as steps:
+        t0 = time.perf_counter()
         src, dst = _layouts(args, steps)
+        args.layouts_s = time.perf_counter() - t0
         steps.step(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks")
         t0 = time.perf_counter()
         topology = None
@@ -288,7 +288,8 @@ def _cmd_plan(args) -> int:
               f"{preset(args.hardware).gpus_per_domain})")
     pred = predict(plan, preset(args.hardware), traffic=traffic, with_paced=False)
     print(f"predicted refit    {pred['seconds']:.3f} s on {args.hardware} (link-bound limit {pred['link_bound_s']:.3f} s)")
-    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s")
+    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s (from layouts built in "
+          f"{args.layouts_s:.3f} s)")
     if args.heatmap:
         _heatmap(plan.ranks, traffic, args.heatmap)
         print(f"traffic heatmap written to {args.heatmap}")

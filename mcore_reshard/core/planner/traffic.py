@@ -15,16 +15,19 @@ round 0; rank 2 copies nothing locally)::
     t = plan_traffic(plan)
     sorted(t.parts())  == [Part(round=0, src=0, dst=2, payload=16, unstaged=False),
                            Part(round=0, src=1, dst=2, payload=16, unstaged=False)]
-    t.pair_bytes() == {(0, 2): 16, (1, 2): 16};  t.local_bytes == {};  t.dst_tensors == {2: {"w"}}
+    t.pair_bytes() == {(0, 2): 16, (1, 2): 16};  t.local_bytes == {}
+    t.received_bytes == 32          # rank 2 receives parts of w: all of w is 32 bytes
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from math import prod
 from operator import attrgetter
 from typing import Iterator, NamedTuple
 
 from ..gcpause import paused_gc
+from ..layout import itemsize
 from .templates import TemplatedPlan
 
 
@@ -56,13 +59,14 @@ class PlanTraffic:
     (:class:`PartGroup`, :meth:`parts`, :meth:`pair_bytes`); ``merged``: the parts of one (round,
     sender, receiver) are one message (a templated plan's items), else every part is a message of its
     own; ``span``: 1 + the largest rank; ``local_bytes``: (source rank, destination rank) -> bytes
-    copied locally; ``dst_tensors``: destination rank -> the tensors it receives some part of (by a
-    message or a local copy)."""
+    copied locally; ``received_bytes``: over every destination rank and every tensor it receives
+    some part of (by a message or a local copy), the whole tensor's bytes (source dtype): what
+    sending whole tensors would move."""
     span: int = 1
     groups: list = field(default_factory=list)
     merged: bool = False
     local_bytes: dict = field(default_factory=dict)
-    dst_tensors: dict = field(default_factory=dict)
+    received_bytes: int = 0
 
     def pair_bytes(self) -> dict:
         """(sender, receiver) -> bytes on the wire, all rounds (summed per group, then per instance)."""
@@ -113,7 +117,8 @@ def _copies(plan) -> PlanTraffic:
         recv[c.dst].add(c.tensor)
     span = 1 + max(max(group.src, default=0), max(group.dst, default=0), max((d for _, d in local), default=0))
     group.copies.append((range(span), rounds))
-    return PlanTraffic(span, [group], False, dict(local), dict(recv))
+    size = _sizes(plan.tensors)
+    return PlanTraffic(span, [group], False, dict(local), sum(sum(map(size, names)) for names in recv.values()))
 
 
 def _templated(plan: TemplatedPlan) -> PlanTraffic:
@@ -132,18 +137,24 @@ def _templated(plan: TemplatedPlan) -> PlanTraffic:
         for c in tp.plan.local_copies:
             loc[(c.src, c.dst)] += c.nbytes
             recv[c.dst].add(c.tensor)
-        per_template.append((dict(loc), dict(recv), sorted(set().union(*recv.values()))))
+        size = _sizes(tp.plan.tensors)      # canonical names, the real tensors' shapes and dtypes
+        # a tensor is in one instance only (instances are layers): per instance, its template's ranks
+        # receive its tensors' whole bytes once each
+        per_template.append((dict(loc), sum(sum(map(size, names)) for names in recv.values())))
     local: dict = defaultdict(int)
-    recv: dict = defaultdict(set)
-    for (tid, nums, ranks), rounds in zip(plan.instances, plan.placement):
+    received = 0
+    for (tid, _, ranks), rounds in zip(plan.instances, plan.placement):
         groups[tid].copies.append((ranks, rounds))
-        tloc, trecv, names = per_template[tid]
+        tloc, whole = per_template[tid]
         for (s, d), n in tloc.items():
             local[(ranks[s], ranks[d])] += n
-        real = {x: plan.name(x, nums.tensors) for x in names}.__getitem__
-        for j, canon in trecv.items():
-            recv[ranks[j]].update(map(real, canon))
-    return PlanTraffic(1 + max(plan.ranks, default=0), groups, True, dict(local), dict(recv))
+        received += whole
+    return PlanTraffic(1 + max(plan.ranks, default=0), groups, True, dict(local), received)
+
+
+def _sizes(tensors: dict):
+    """name -> the tensor's bytes in its source dtype (a plan's ``tensors``)."""
+    return {n: prod(meta["shape"]) * itemsize(meta["src_dtype"]) for n, meta in tensors.items()}.__getitem__
 
 
 _NBYTES = attrgetter("nbytes")

@@ -151,12 +151,14 @@ def run_cli(name: str, timeout: float = 600) -> dict:
         proc = subprocess.run([sys.executable, "-c", _RSS_AT_EXIT, *args], capture_output=True, text=True,
                               timeout=timeout)
         wall = time.perf_counter() - t0
-    built = [float(x) for x in re.findall(r"built in ([0-9.]+) s", proc.stdout)]
+    built = [float(x) for x in re.findall(r"built in ([0-9.]+) s \(from layouts", proc.stdout)]
+    layouts = [float(x) for x in re.findall(r"from layouts built in ([0-9.]+) s", proc.stdout)]
     rss = [int(x) for x in re.findall(r"max RSS KiB ([0-9]+)", proc.stderr)]
     if proc.returncode != 0 or not built or not rss:
         return {"command": "mcore-reshard " + " ".join(args), "error": (proc.stderr or proc.stdout)[-300:]}
     return {"command": "mcore-reshard " + " ".join(args), "wall_s": wall, "plan_s": built[0],
-            "wall_over_plan": wall / built[0], "max_rss_bytes": rss[0] << 10,
+            "layouts_s": layouts[0], "wall_over_plan": wall / built[0],
+            "wall_over_layouts_and_plan": wall / (built[0] + layouts[0]), "max_rss_bytes": rss[0] << 10,
             "loadavg_before": load}
 
 
@@ -213,7 +215,8 @@ def run_full_size(names: list[str], budget: int, memory: str, timeout: float, lo
 def _cli_line(c: dict) -> str:
     if "error" in c:
         return f"CLI failed: {c['error']}"
-    return (f"CLI {c['wall_s']:.1f} s wall / plan {c['plan_s']:.1f} s = {c['wall_over_plan']:.2f}x, "
+    return (f"CLI {c['wall_s']:.1f} s wall / plan {c['plan_s']:.1f} s = {c['wall_over_plan']:.2f}x (/ layouts + "
+            f"plan {c['layouts_s'] + c['plan_s']:.1f} s = {c['wall_over_layouts_and_plan']:.2f}x), "
             f"{c['max_rss_bytes'] / 2**20:,.0f} MiB RSS")
 
 
