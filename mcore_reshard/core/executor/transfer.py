@@ -43,8 +43,9 @@ class Channel:
         return cls(group, world, timeout if timeout is not None else group_timeout(group), waits_block(group))
 
 
-class Refit:
-    """The refit state of one bound :class:`~.resharder.Resharder` on this rank, and its refits.
+class RefitState:
+    """The refit state of one bound :class:`~.resharder.Resharder` on this rank and its bookkeeping
+    (the steps that change it: :class:`Refit`, the one object a Resharder holds).
 
     Fixed at bind: ``rank``, ``verify``, ``confirm``, ``digest`` (the plan's).  Swapped whole:
     ``binding`` (:meth:`swap`), ``channel`` (:meth:`use`); set once: ``token`` (:meth:`agreed`).
@@ -138,6 +139,13 @@ class Refit:
         for name, have in self.buffer_version.items():
             if have == v:
                 self.buffer_version[name] = None
+
+
+class Refit(RefitState):
+    """A :class:`RefitState` with the refit's steps: :meth:`run` (start, then :meth:`transfer` and
+    :meth:`confirmation`, recording an interruption)."""
+
+    __slots__ = ()
 
     def transfer(self, v: int, problems: list[str], transport) -> dict:
         """Padding, then every round through ``transport`` (a :class:`~.transport.Transport`), with the
@@ -291,7 +299,7 @@ class LocalCopies:
     round whenever its bytes are on the wire, instead of all of them before any byte is posted;
     :meth:`drain` runs what is left.  With ``verify`` every copy is checked against its source."""
 
-    def __init__(self, st: Refit, problems: list[str], bad_buffers: set):
+    def __init__(self, st: RefitState, problems: list[str], bad_buffers: set):
         self.st, self.problems, self.bad = st, problems, bad_buffers
         self.k = 0
 
