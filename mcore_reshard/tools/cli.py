@@ -209,18 +209,18 @@ def _plan(args):
     from ..util.progress import Steps
     synthetic = args.model == "synthetic" and not args.config
     with Steps(3 if synthetic else 4, args.command) as steps:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         src, dst = _layouts(args, steps)
-        args.layouts_s = time.perf_counter() - t0
+        args.layouts_s, args.layouts_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         steps.step(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         topology = None
         if getattr(args, "two_level", False):
             from .costmodel import preset
             topology = preset(args.hardware).topology       # its NVLink domain size
         plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
                          allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True, topology=topology)
-        seconds = time.perf_counter() - t0
+        seconds, args.plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         steps.step("summary")
     return src, dst, plan, seconds
 
@@ -288,8 +288,8 @@ def _cmd_plan(args) -> int:
               f"{preset(args.hardware).gpus_per_domain})")
     pred = predict(plan, preset(args.hardware), traffic=traffic, with_paced=False)
     print(f"predicted refit    {pred['seconds']:.3f} s on {args.hardware} (link-bound limit {pred['link_bound_s']:.3f} s)")
-    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s (from layouts built in "
-          f"{args.layouts_s:.3f} s)")
+    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s ({args.plan_cpu_s:.3f} s CPU) from "
+          f"layouts built in {args.layouts_s:.3f} s ({args.layouts_cpu_s:.3f} s CPU)")
     if args.heatmap:
         _heatmap(plan.ranks, traffic, args.heatmap)
         print(f"traffic heatmap written to {args.heatmap}")

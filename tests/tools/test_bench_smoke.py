@@ -212,6 +212,7 @@ def test_cli_column_measures_the_command_beside_its_plan_build_time():
     assert "error" not in c, c
     assert c["command"].startswith("mcore-reshard --progress never plan --config ")
     assert 0 < c["plan_s"] < c["wall_s"] and c["wall_over_plan"] == c["wall_s"] / c["plan_s"]
+    assert 0 < c["plan_cpu_s"] < c["cpu_s"] and 0 < c["layouts_cpu_s"] < c["cpu_s"] and c["layouts_s"] > 0
     assert 10 << 20 < c["max_rss_bytes"] < 1 << 30
     assert "x** (" in bench.report.markdown_cli([{"name": "small", "cli": c}])
     # every full-size configuration is a command line: the model a preset, both layouts strings

@@ -121,8 +121,9 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
     return out
 
 
-_RSS_AT_EXIT = ("import atexit, resource, sys; atexit.register(lambda: print('max RSS KiB', "
-                "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); "
+_RSS_AT_EXIT = ("import atexit, resource, sys; "
+                "atexit.register(lambda: print('max RSS KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+                "'CPU s', sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), file=sys.stderr)); "
                 "from mcore_reshard.tools.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
@@ -137,7 +138,9 @@ def hf_config_json(cfg) -> dict:
 def run_cli(name: str, timeout: float = 600) -> dict:
     """``mcore-reshard plan`` on configuration ``name`` as a user runs it (a fresh process, the whole
     report), side by side with the plan build time that same process prints: ``wall_s`` (start to
-    exit, from here), ``plan_s`` ("built in"), their ratio and the process's peak RSS."""
+    exit, from here), ``plan_s`` ("built in"), their ratio, ``layouts_s`` (the layouts the plan is
+    built from); the same in CPU seconds (the process's user + system against the plan's
+    ``time.process_time``: what a busy machine does not distort) and the process's peak RSS."""
     conf = CONFIGS[name]
     with tempfile.TemporaryDirectory(prefix="mcore-bench-cli-") as tmp:
         config = None
@@ -151,15 +154,16 @@ def run_cli(name: str, timeout: float = 600) -> dict:
         proc = subprocess.run([sys.executable, "-c", _RSS_AT_EXIT, *args], capture_output=True, text=True,
                               timeout=timeout)
         wall = time.perf_counter() - t0
-    built = [float(x) for x in re.findall(r"built in ([0-9.]+) s \(from layouts", proc.stdout)]
-    layouts = [float(x) for x in re.findall(r"from layouts built in ([0-9.]+) s", proc.stdout)]
+    line = re.findall(r"built in ([0-9.]+) s \(([0-9.]+) s CPU\) from layouts built in ([0-9.]+) s \(([0-9.]+) s CPU\)",
+                      proc.stdout)
     rss = [int(x) for x in re.findall(r"max RSS KiB ([0-9]+)", proc.stderr)]
-    if proc.returncode != 0 or not built or not rss:
+    cpu = [float(x) for x in re.findall(r"CPU s ([0-9.]+)", proc.stderr)]
+    if proc.returncode != 0 or not line or not rss or not cpu:
         return {"command": "mcore-reshard " + " ".join(args), "error": (proc.stderr or proc.stdout)[-300:]}
-    return {"command": "mcore-reshard " + " ".join(args), "wall_s": wall, "plan_s": built[0],
-            "layouts_s": layouts[0], "wall_over_plan": wall / built[0],
-            "wall_over_layouts_and_plan": wall / (built[0] + layouts[0]), "max_rss_bytes": rss[0] << 10,
-            "loadavg_before": load}
+    plan_s, plan_cpu, layouts_s, layouts_cpu = map(float, line[0])
+    return {"command": "mcore-reshard " + " ".join(args), "wall_s": wall, "plan_s": plan_s, "layouts_s": layouts_s,
+            "wall_over_plan": wall / plan_s, "cpu_s": cpu[0], "plan_cpu_s": plan_cpu, "layouts_cpu_s": layouts_cpu,
+            "cpu_over_plan_cpu": cpu[0] / plan_cpu, "max_rss_bytes": rss[0] << 10, "loadavg_before": load}
 
 
 def _limit_memory(gib: float):
@@ -215,9 +219,9 @@ def run_full_size(names: list[str], budget: int, memory: str, timeout: float, lo
 def _cli_line(c: dict) -> str:
     if "error" in c:
         return f"CLI failed: {c['error']}"
-    return (f"CLI {c['wall_s']:.1f} s wall / plan {c['plan_s']:.1f} s = {c['wall_over_plan']:.2f}x (/ layouts + "
-            f"plan {c['layouts_s'] + c['plan_s']:.1f} s = {c['wall_over_layouts_and_plan']:.2f}x), "
-            f"{c['max_rss_bytes'] / 2**20:,.0f} MiB RSS")
+    return (f"CLI {c['wall_s']:.1f} s wall / plan {c['plan_s']:.1f} s = {c['wall_over_plan']:.2f}x; CPU "
+            f"{c['cpu_s']:.1f} / {c['plan_cpu_s']:.1f} s = {c['cpu_over_plan_cpu']:.2f}x (layouts {c['layouts_cpu_s']:.1f} "
+            f"s CPU); {c['max_rss_bytes'] / 2**20:,.0f} MiB RSS")
 
 
 def run_cli_only(names: list[str], timeout: float, log=print) -> list[dict]:

@@ -111,13 +111,14 @@ def cli_cell(r: dict) -> str:
         return "-"
     if "error" in c:
         return f"failed: {c['error'][:60]}"
-    return (f"{c['wall_s']:.1f} / {c['plan_s']:.1f} = **{c['wall_over_plan']:.2f}x** "
-            f"(layouts {c['layouts_s']:.1f} s; {c['max_rss_bytes'] / 2**20:,.0f} MiB)")
+    return (f"{c['wall_s']:.1f} / {c['plan_s']:.1f} = **{c['wall_over_plan']:.2f}x**; CPU {c['cpu_s']:.1f} / "
+            f"{c['plan_cpu_s']:.1f} = **{c['cpu_over_plan_cpu']:.2f}x** (layouts {c['layouts_cpu_s']:.1f}; "
+            f"{c['max_rss_bytes'] / 2**20:,.0f} MiB)")
 
 
 def markdown_cli(rows: list[dict]) -> str:
     """``mcore-reshard bench --cli``: one line per configuration."""
-    lines = ["| config | CLI wall s / plan build s (layouts; peak RSS) | command |", "|---|---|---|"]
+    lines = ["| config | CLI / plan build: wall s, CPU s (layouts CPU s; peak RSS) | command |", "|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {cli_cell(r)} | `{r['cli'].get('command', '')}` |")
     return "\n".join(lines)
@@ -126,7 +127,7 @@ def markdown_cli(rows: list[dict]) -> str:
 def markdown_full_size(results: list[dict]) -> str:
     lines = ["| config | ranks | model GB | plan GB (= lower bound?) | gather+bcast GB | ratio | send max / mean GB |"
              " recv max / mean GB | g+b recv max GB | messages | rounds (lower bound) | staging MiB/rank |"
-             " plan s (whole / one rank's part) | plan MiB | CLI wall / plan build s (layouts; RSS) |",
+             " plan s (whole / one rank's part) | plan MiB | CLI / plan build: wall, CPU s (layouts; RSS) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
