@@ -2,7 +2,9 @@
 
 Pure Python, no torch.  A :class:`Hardware` says how fast each GPU's links are and how large an
 NVLink domain is (its :attr:`~Hardware.topology`: the planner's own
-:class:`~mcore_reshard.core.planner.Topology`, the one rank -> domain map); :func:`predict` walks a :class:`~mcore_reshard.core.planner.Plan` round by round::
+:class:`~mcore_reshard.core.planner.Topology`, the one rank -> domain map); :func:`predict` takes a plan round by round, from
+its traffic totals (:func:`~mcore_reshard.core.planner.plan_traffic`: a templated plan's copies are never made; summed
+per (round, rank) with numpy where it imports, :func:`round_times`)::
 
     round time = max over ranks r of ( max(NIC out_r, NIC in_r) / nic_bw,
                                        max(NVLink out_r, NVLink in_r) / nvlink_bw )   (links overlap)
@@ -34,7 +36,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from ..core.gcpause import paused_gc
 from ..core.planner.topology import Topology as PlannerTopology
@@ -273,12 +275,14 @@ def predict(plan, topo: Hardware, *, traffic: PlanTraffic | None = None, with_pa
 ROUND_CELLS = 1 << 22
 
 
-class Parts:
+class Parts(NamedTuple):
     """A plan's message parts as numpy arrays (:func:`parts_arrays`): per part its round, sender,
     receiver, bytes on the wire and unstaged flag."""
-
-    def __init__(self, rounds, src, dst, payload, unstaged):
-        self.rounds, self.src, self.dst, self.payload, self.unstaged = rounds, src, dst, payload, unstaged
+    rounds: Any
+    src: Any
+    dst: Any
+    payload: Any
+    unstaged: Any
 
 
 def parts_arrays(tr: PlanTraffic) -> Parts | None:
