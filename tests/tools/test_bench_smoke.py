@@ -163,7 +163,8 @@ def test_costmodel_paced_hand_checked():
 
     def msg(k, s, d, n):
         return NS(round=k, src=s, dst=d, unstaged=False, entries=[NS(nbytes=n, tensor="w")])
-    plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 24, gb // 10), msg(1, 16, 24, gb)], local_copies=[])
+    plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 24, gb // 10), msg(1, 16, 24, gb)], local_copies=[],
+              tensors={"w": {"shape": [gb], "src_dtype": "uint8", "dst_dtype": "uint8"}})
     assert costmodel.predict(plan, topo)["seconds"] == pytest.approx(0.040)
     assert costmodel.paced(plan, topo) == pytest.approx(0.022)
     # a message of round 1 between a fast and a slow rank starts when the slow one is done: 20 + 20 ms
