@@ -90,6 +90,12 @@ def export_scenarios(rank: int, world: int, cases: list, out_root: str) -> list:
         if case.get("block_shard") and rank == case.get("on_rank", 0):
             for n in range(case["block_shard"], 100):   # a directory where shard k of n goes: writing it fails
                 os.makedirs(os.path.join(out_dir, f"model-{case['block_shard']:05d}-of-{n:05d}.safetensors"))
+        if not case.get("refused"):
+            res["logits"] = mcore_cpu.forward_logits(chunks, tokens)[..., :vocab]   # Megatron's own, every rank
+            res["tokens"] = tokens
+        if case.get("hidden"):      # a setting no transformers config expresses: refused ...
+            res["error"] = _export_error(chunks, out_dir + "_refused")
+            _hide(chunks, case["hidden"])   # ... and what the export wrote when the mapping dropped it
         try:
             res["stats"] = export_hf(chunks, out_dir, on_rank=case.get("on_rank", 0), vocab_size=vocab,
                                      memory_bytes=case.get("memory_bytes", 1 << 30),
@@ -98,12 +104,29 @@ def export_scenarios(rank: int, world: int, cases: list, out_root: str) -> list:
             if not case.get("refused"):
                 raise
             res["error"] = f"{type(e).__name__}: {e}"
-        if not case.get("refused"):
-            res["logits"] = mcore_cpu.forward_logits(chunks, tokens)[..., :vocab]   # Megatron's own, every rank
-            res["tokens"] = tokens
         results.append(res)
         mcore_cpu.destroy_megatron()
     return results
+
+
+def _export_error(chunks, out_dir: str) -> str:
+    from mcore_reshard import export_hf
+    try:
+        export_hf(chunks, out_dir, timeout=120, progress=False)
+    except Exception as e:  # noqa: BLE001 - the test judges it
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def _hide(chunks, field: str) -> None:
+    """Set ``field`` back to its default on the model's config after the model was built with another
+    value: the export then sees what a mapping that ignores the field saw (the modules keep computing
+    with the value they were built with)."""
+    import dataclasses
+    cfg = chunks[0].config
+    f = next(f for f in dataclasses.fields(cfg) if f.name == field)
+    for c in chunks:
+        setattr(c.config, field, f.default)
 
 
 # ------------------------------------------------------------------ an HF process that holds no Megatron shard

@@ -3,10 +3,13 @@ each public argument of ``hf_config`` and its helpers, ``integrations.protocol``
 extension and weight-transfer engine (their own validation, on a stand-in worker), the SGLang
 loader and the CLI x each class of bad value that applies, in process; ``export_hf``, ``join_refit``
 and FP8 in transit (``Fp8Resharder``) in one 2-rank gloo launch (tests/helpers/collective_contract_workers.py).
+Closed-world, generated from the tables themselves: every ``TransformerConfig`` / ``MLATransformerConfig``
+setting the transformers mapping does not read, set to another value (refused naming it, or the same config).
 
 A case passes when it is ``refused`` (the library's own error types, or a ValueError / TypeError
 naming the argument; the CLI: exit code 2 and a message naming the option, no traceback) or
-``ok`` (a value the contract accepts, with a result); a raw KeyError / IndexError /
+``ok`` (a value the contract accepts, with a result; ``strict`` cases: the library's own error must name the
+argument too; ``must_accept`` cases: any error fails); a raw KeyError / IndexError /
 AttributeError / torch error, a message naming nothing, or a bad value accepted (``silent``)
 fails it.  A module fixture prints the counts per API once the module has run (RELIABILITY.md, "Generated contract suite").
 """
@@ -36,7 +39,7 @@ def _ids(cases):
 
 def _check(case, count):
     o = ic.record(case.run)
-    verdict = ic.judge(o, case.argument.split("[")[-1].rstrip("]"), case.must_refuse)
+    verdict = ic.judge(o, case.argument.split("[")[-1].rstrip("]"), case.must_refuse, case.strict, case.must_accept)
     count(case.api, verdict)
     assert verdict in ("refused", "ok"), (verdict, o)
 
