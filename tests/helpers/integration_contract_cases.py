@@ -190,6 +190,50 @@ def megatron_setting_cases() -> list[Case]:
     return out
 
 
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+HF_BAD = {"mlp_bias": True, "attention_bias": True, "quantization_config": {"quant_method": "fp8"},
+          "compression_config": {"format": "int4"}, "topk_method": "random", "qk_head_dim": 999}
+
+
+def hf_field_cases() -> list[Case]:
+    """``targets.from_hf_config`` (the layouts' reader of engine / checkpoint configs), closed-world: for each model
+    type, every field of transformers' default config that the reader does not read set to another value (``ok``,
+    the same ModelConfig: names, tokens, engine math), every required value violated and a field transformers does
+    not know (refused naming the field, strict)."""
+    import transformers
+
+    from mcore_reshard.targets import from_hf_config
+    from mcore_reshard.targets.config import FAMILY_OF_MODEL_TYPE
+    from mcore_reshard.targets.hf_fields import ENGINE_MATH, METADATA, READ, REQUIRE
+    out = []
+    for mt in HF_MODEL_TYPES:
+        default = transformers.AutoConfig.for_model(mt).to_dict()
+        plain = from_hf_config(default)
+        fam = FAMILY_OF_MODEL_TYPE[mt]
+        requires = {**REQUIRE["*"], **REQUIRE.get(mt, {})}
+
+        def same(d, plain=plain):
+            def go():
+                got = from_hf_config(d)
+                if got != plain:
+                    raise AssertionError("another ModelConfig")
+                return got
+            return go
+        for key, value in default.items():
+            if key in READ[fam] or key in requires or key == "model_type" or key.startswith("_"):
+                continue
+            known = key in METADATA or key in ENGINE_MATH      # else a class field the tables do not know: refused
+            out.append(Case(f"from_hf_config {mt}", f"config[{key}]", "unread_field" if known else "unknown_class_field",
+                            not known, same({**default, key: _other_value(value)}), strict=True, must_accept=known))
+        for key in requires:
+            if key == "attention_bias" and mt == "qwen2":
+                continue
+            out.append(Case(f"from_hf_config {mt}", f"config[{key}]", "required_value", True,
+                            same({**default, key: HF_BAD[key]}), strict=True))
+        out.append(Case(f"from_hf_config {mt}", "config[shared_expert_gate_size]", "unknown_field", True,
+                        same({**default, "shared_expert_gate_size": 8}), strict=True))
+    return out
+
 
 # ------------------------------------------------------------------------------ protocol
 

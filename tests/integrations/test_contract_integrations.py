@@ -4,7 +4,8 @@ extension and weight-transfer engine (their own validation, on a stand-in worker
 loader and the CLI x each class of bad value that applies, in process; ``export_hf``, ``join_refit``
 and FP8 in transit (``Fp8Resharder``) in one 2-rank gloo launch (tests/helpers/collective_contract_workers.py).
 Closed-world, generated from the tables themselves: every ``TransformerConfig`` / ``MLATransformerConfig``
-setting the transformers mapping does not read, set to another value (refused naming it, or the same config).
+setting the transformers mapping does not read, set to another value (refused naming it, or the same config),
+and every field of the transformers configs the layouts' reader (``targets.from_hf_config``) meets.
 
 A case passes when it is ``refused`` (the library's own error types, or a ValueError / TypeError
 naming the argument; the CLI: exit code 2 and a message naming the option, no traceback) or
@@ -45,12 +46,18 @@ def _check(case, count):
 
 
 HF = ic.hf_config_cases()
+HF_FIELDS = ic.hf_field_cases()
 PROTO = ic.protocol_cases(TMP)
 ENGINES = ic.engine_cases(TMP)
 
 
 @pytest.mark.parametrize("case", HF, ids=_ids(HF))
 def test_hf_config(case, counts):
+    _check(case, counts)
+
+
+@pytest.mark.parametrize("case", HF_FIELDS, ids=_ids(HF_FIELDS))
+def test_hf_config_reader(case, counts):
     _check(case, counts)
 
 
