@@ -32,6 +32,7 @@ the group.  A shard that cannot be written makes every rank raise too.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import time
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from .core.executor import GatherChecked, Resharder, ReshardError, all_gather_json, all_or_none, dtype_name, torch_dtype
 from .core.layout import Buffer, Layout, merge_layouts
-from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
+from .core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
 from .mapper.family import canonicalize, load_family
 from .refit import agreed_config
 from .sources.megatron_model import family_for, model_config, read_layout
@@ -131,7 +132,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     rank *in* ``group`` (it may hold no chunks: an extra process that joined the group).  ``dtype``:
     the stored dtype (default: Megatron's own per tensor).  ``vocab_size``: the real vocabulary when
     the embedding is padded.  ``memory_bytes``: the most the writer holds of the model at once (and
-    the largest shard file).  ``budget_bytes``: staging per rank per transfer round.  ``timeout``:
+    the largest shard file), any integer >= 1: a tensor larger than that is a group, and a shard
+    file, of its own (``1``: one shard per tensor).  ``budget_bytes``: staging per rank per transfer round.  ``timeout``:
     seconds any rank waits for a peer before raising.  ``progress``: a bar per shard on the writer.
 
     Returns ``{"config": config.json dict, "files": [...], "tensors": n, "total_bytes": b,
@@ -141,7 +143,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     from .sources.hf_config import hf_config_dict, megatron_facts
 
     budget_bytes = check_budget(budget_bytes)
-    memory_bytes = check_budget(memory_bytes, "memory_bytes")
+    memory_bytes = _check_memory_bytes(memory_bytes)
     t0 = time.perf_counter()
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -245,6 +247,16 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             "buffers": len(dst.buffers.get(on_rank, {})), "total_bytes": total, "max_group_bytes": biggest,
             "network_bytes": net, "writer_peak_added_bytes": peak_added, "stream_seconds": stream_s,
             "seconds": time.perf_counter() - t0}
+
+
+def _check_memory_bytes(value) -> int:
+    """``memory_bytes`` as an integer >= 1 (``1``: every tensor a group, and a shard file, of its own);
+    :class:`PlanError` naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PlanError(f"memory_bytes={value!r}: must be an integer number of bytes >= 1, not {type(value).__name__}")
+    if value < 1:
+        raise PlanError(f"memory_bytes={int(value)}: must be >= 1 (1: every tensor a shard of its own)")
+    return int(value)
 
 
 def _export_dtype(dtype) -> str | None:

@@ -7,6 +7,7 @@ kept its bytes (``join_refit`` / FP8: the tensors given; ``export_hf``: no index
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import tempfile
@@ -27,7 +28,7 @@ def export_table() -> list[tuple[str, str, str]]:
     rows += [("export_hf", "dtype", k) for k in ("unknown", "int", "bool_dtype")]
     rows += [("export_hf", "family", k) for k in ("unknown", "int")]
     rows += [("export_hf", "vocab_size", k) for k in ("negative", "zero", "nan", "string", "larger")]
-    rows += [("export_hf", "memory_bytes", k) for k in ("nan", "negative", "zero", "string")]
+    rows += [("export_hf", "memory_bytes", k) for k in ("nan", "negative", "zero", "string", "one")]
     rows += [("export_hf", "budget_bytes", k) for k in ("nan", "negative", "string")]
     rows += [("export_hf", "timeout", k) for k in ("nan", "negative", "string")]
     return rows
@@ -73,6 +74,8 @@ def _export_value(arg, kind, rank, tmp):
         return {"unknown": "nosuchfamily", "int": 3}[kind]
     if arg == "vocab_size":
         return {"negative": -1, "zero": 0, "nan": math.nan, "string": "x", "larger": 1 << 20}[kind]
+    if arg == "memory_bytes" and kind == "one":
+        return 1                      # accepted: every tensor a shard file of its own
     if arg in ("memory_bytes", "budget_bytes", "timeout"):
         return NUM[kind]
     raise AssertionError((arg, kind))
@@ -133,8 +136,12 @@ def collective_cases(rank: int, world: int) -> dict:
             else:
                 kw[arg] = v
             o = record(lambda: export_hf(*args, **kw) and None)
-            o["dst_untouched"] = not (isinstance(args[1], str)
-                                      and os.path.exists(os.path.join(args[1], "model.safetensors.index.json")))
+            index = os.path.join(args[1], "model.safetensors.index.json") if isinstance(args[1], str) else ""
+            o["dst_untouched"] = not os.path.exists(index)
+            if o["type"] is None and kind == "one" and rank == 0:    # the writer's directory: one tensor per shard file
+                files = list(json.load(open(index))["weight_map"].values())
+                if len(set(files)) != len(files):
+                    o.update(type="WrongResult", mro=["WrongResult"], error=f"{len(files)} tensors in {len(set(files))} files")
         elif api == "join_refit":
             S, D = cut(src, rank, full), cut(dst, rank, full, fill=7)
             before = snapshot(D)

@@ -112,7 +112,8 @@ def _collective_table():
 COLLECTIVE = _collective_table()
 # values the contract accepts: an fp32 source of FP8 in transit (documented: BF16 or fp32 sources), and a
 # source tensor the plan never reads (sources are only read: a model's MTP weights when MTP is not refit)
-COLLECTIVE_ACCEPTED = {("Fp8Resharder", "src", "wrong_dtype"), ("Fp8Resharder", "src", "extra")}
+COLLECTIVE_ACCEPTED = {("Fp8Resharder", "src", "wrong_dtype"), ("Fp8Resharder", "src", "extra"),
+                       ("export_hf", "memory_bytes", "one")}     # documented: one shard per tensor
 
 
 @pytest.mark.multiproc

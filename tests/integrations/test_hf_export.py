@@ -49,6 +49,8 @@ CASES = [
     # ~40 MB of weights (hidden 256, 16 experts of 256, vocab 2048) through at most 4 MiB at a time
     {"id": "dsv3_wide_streamed", "model": "dsv3", "src": {"tp": 2, "ep": 2},
      "kw": dict(DSV3, num_experts=16, widths=WIDE), "memory_bytes": 4 << 20, "budget_bytes": 1 << 20},
+    # memory_bytes=1: every tensor a group, and a shard file, of its own (as the docs promise)
+    {"id": "llama_one_tensor_per_shard", "model": "gqa", "src": {"tp": 2}, "memory_bytes": 1},
     # Megatron's embedding and head padded to 192 rows, 100 of them real: the padding is not exported
     {"id": "llama_padded_vocab_tp2", "model": "gqa", "src": {"tp": 2}, "padded_vocab": 192, "vocab_size": 100},
     # shard 2 cannot be written (a directory is in the way): every rank raises, no index is written
@@ -125,13 +127,15 @@ def test_exported_directory_loads_with_megatron_logits(exported, i):
         assert got[f"model.layers.{n}.shared_head.head.weight"] == got["lm_head.weight"]
     if "vocab_size" in case:
         assert on_disk["model.embed_tokens.weight"].shape[0] == case["vocab_size"] == stats["config"]["vocab_size"]
-    if "memory_bytes" in case:
+    if case.get("memory_bytes") == 1:     # one shard per tensor
+        assert len(files) == len(index["weight_map"]) == stats["tensors"], (len(files), len(index["weight_map"]))
+    elif "memory_bytes" in case:
         assert len(files) >= 8 and stats["max_group_bytes"] <= case["memory_bytes"]
         writer = results[case.get("on_rank", 0)][i]["stats"]
         if case["id"] == "dsv3_wide_streamed":   # the writer's memory grew by a few groups, never by the model
             assert stats["total_bytes"] > 40e6 and writer["writer_peak_added_bytes"] is not None
             assert writer["writer_peak_added_bytes"] < 4 * case["memory_bytes"], writer["writer_peak_added_bytes"]
-        assert max(os.path.getsize(os.path.join(out_dir, f)) for f in files) <= case["memory_bytes"] + 16384
+        assert max(os.path.getsize(os.path.join(out_dir, f)) for f in files) <= max(case["memory_bytes"], 1 << 16) + 16384
 
     model, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
     assert info["missing_keys"] == set() or not info["missing_keys"], info["missing_keys"]
