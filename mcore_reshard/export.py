@@ -27,7 +27,21 @@ exports.  Example, the tiny DeepSeek-V3 (4 layers + MTP, 8 experts, fp32) at ``m
 Refused before a byte moves, on every rank: a Megatron setting transformers cannot express (the
 :class:`~mcore_reshard.sources.hf_config.HFConfigError` names it and the fix), ranks that disagree on
 the architecture, a derived config whose tensors differ from the model's, an ``on_rank`` outside
-the group.  A shard that cannot be written makes every rank raise too.
+the group, an ``out_dir`` another export is writing (the error names the directory and that
+writer: pid, host, since when).  A shard that cannot be written makes every rank raise too.
+
+The export owns ``out_dir`` while it runs and leaves it complete or as it was
+(:class:`~mcore_reshard.util.owned_dir.OwnedDirectory`): the writer takes a lock beside it
+(``.<name>.lock``, released by the kernel if the writer dies), writes every file into a staging
+directory beside it, and only once the last file is written swaps that directory into place with a
+rename.  A failed, interrupted or killed export leaves ``out_dir`` as it was (the previous export, or
+absent); files of ``out_dir`` that are not the export's (a tokenizer) are carried over.
+
+    writer                        out_dir as another process sees it
+    export A returned             A (complete)
+    export B streaming shards     A; a second export C now is refused naming B's writer
+    export B killed (SIGKILL)     A (B's staging directory is removed by the next export)
+    export B returned             B (complete), A's tokenizer.json carried over
 """
 from __future__ import annotations
 
@@ -48,6 +62,7 @@ from .mapper.family import canonicalize, load_family
 from .refit import agreed_config
 from .sources.megatron_model import family_for, model_config, read_layout
 from .util.memstat import peak_bytes, reset_peak, rss_bytes
+from .util.owned_dir import OwnedDirectory
 from .util.progress import bar
 
 INDEX = "model.safetensors.index.json"
@@ -112,14 +127,10 @@ def _sub_layout(lay: Layout, tensors: set[str], ranks_buffers: dict[int, list[st
     return out
 
 
-def _prepare_dir(out_dir: str, files: list[str]) -> None:
-    """Create ``out_dir``; remove shard files and an index of an earlier export that this one will
-    not overwrite (as ``save_pretrained`` does), so ``from_pretrained`` cannot pick them up."""
-    os.makedirs(out_dir, exist_ok=True)
-    for f in os.listdir(out_dir):
-        path = os.path.join(out_dir, f)
-        if (_SHARD.match(f) or f == INDEX) and f not in files and os.path.isfile(path):
-            os.unlink(path)
+def _is_export_file(name: str) -> bool:
+    """Files of an export (an earlier one's are replaced as a whole; other files of ``out_dir`` -- a
+    tokenizer, a README -- are carried over into the new directory)."""
+    return bool(_SHARD.match(name)) or name in (INDEX, "config.json")
 
 
 def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None, *, on_rank: int = 0,
@@ -190,9 +201,25 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
                     names = by_tensor.setdefault(p.tensor, {}).setdefault(r, [])
                     if not names or names[-1] != bname:
                         names.append(bname)
-        if rank == on_rank:
-            _prepare_dir(out_dir, files)
+        owned = None
+        if rank == on_rank:   # this export owns out_dir until it returns: a second writer is refused
+            owned = OwnedDirectory(out_dir, owned=_is_export_file,
+                                   what=f"export_hf writing rank {on_rank} of a group of {world}").acquire()
+    try:
+        return _stream_and_commit(group, rank, on_rank, owned, out_dir, groups, files, dst, src, src_t, by_tensor,
+                                  hf_cfg, budget_bytes, timeout, progress, t0)
+    except BaseException:
+        if owned is not None:
+            owned.abort()      # out_dir keeps what it held before (or stays absent)
+        raise
 
+
+def _stream_and_commit(group, rank, on_rank, owned, out_dir, groups, files, dst, src, src_t, by_tensor, hf_cfg,
+                       budget_bytes, timeout, progress, t0) -> dict:
+    """The shards, group by group, into the writer's staging directory; then the index and config,
+    and the staging directory swapped into place (:meth:`OwnedDirectory.commit`)."""
+    n = len(groups)
+    staging = owned.staging if owned is not None else None
     weight_map, total, biggest, net = {}, 0, 0, 0
     measured = rank == on_rank and reset_peak()    # the writer's resident memory while it streams
     before = rss_bytes() if measured else 0
@@ -220,7 +247,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             biggest, total = max(biggest, size), total + size
             try:
                 from safetensors.torch import save_file
-                save_file(out, os.path.join(out_dir, files[gi]), metadata={"format": "pt"})   # as transformers writes
+                save_file(out, os.path.join(staging, files[gi]), metadata={"format": "pt"})   # as transformers writes
                 weight_map.update({name: files[gi] for name in names})
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 error = f"rank {rank}: writing {os.path.join(out_dir, files[gi])} failed: {type(e).__name__}: {e}"
@@ -236,10 +263,11 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     error = None
     if rank == on_rank:
         try:
-            with open(os.path.join(out_dir, INDEX), "w") as f:
+            with open(os.path.join(staging, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            with open(os.path.join(out_dir, "config.json"), "w") as f:
+            with open(os.path.join(staging, "config.json"), "w") as f:
                 json.dump(_config_json(hf_cfg), f, indent=2, sort_keys=True)
+            owned.commit()     # the complete directory replaces out_dir in one rename
         except Exception as e:  # noqa: BLE001
             error = f"rank {rank}: writing {out_dir} failed: {type(e).__name__}: {e}"
     _all_written(group, error, timeout, None)   # every rank returns only once the directory is complete

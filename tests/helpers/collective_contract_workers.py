@@ -22,7 +22,7 @@ NUM = {"nan": math.nan, "inf": math.inf, "negative": -1, "zero": 0, "string": "8
 
 def export_table() -> list[tuple[str, str, str]]:
     rows = [("export_hf", "model_chunks", k) for k in ("none", "string", "empty_everywhere")]
-    rows += [("export_hf", "out_dir", k) for k in ("none", "int", "a_file", "unwritable")]
+    rows += [("export_hf", "out_dir", k) for k in ("none", "int", "a_file", "unwritable", "being_written")]
     rows += [("export_hf", "group", k) for k in ("string", "int")]
     rows += [("export_hf", "on_rank", k) for k in ("negative", "too_big", "string", "nan", "bool")]
     rows += [("export_hf", "dtype", k) for k in ("unknown", "int", "bool_dtype")]
@@ -63,7 +63,8 @@ def _export_value(arg, kind, rank, tmp):
     if arg == "out_dir":
         path = os.path.join(tmp, "a_file")
         open(path, "w").close()
-        return {"none": None, "int": 3, "a_file": path, "unwritable": "/proc/mcore-reshard-no"}[kind]
+        return {"none": None, "int": 3, "a_file": path, "unwritable": "/proc/mcore-reshard-no",
+                "being_written": os.path.join(tmp, "busy")}[kind]
     if arg == "group":
         return {"string": "world", "int": 0}[kind]
     if arg == "on_rank":
@@ -135,7 +136,13 @@ def collective_cases(rank: int, world: int) -> dict:
                 args[2] = v
             else:
                 kw[arg] = v
+            holder = None
+            if kind == "being_written" and rank == 0:    # another writer owns the directory meanwhile
+                from mcore_reshard.util.owned_dir import OwnedDirectory
+                holder = OwnedDirectory(args[1], what="another export").acquire()
             o = record(lambda: export_hf(*args, **kw) and None)
+            if holder is not None:
+                holder.abort()
             index = os.path.join(args[1], "model.safetensors.index.json") if isinstance(args[1], str) else ""
             o["dst_untouched"] = not os.path.exists(index)
             if o["type"] is None and kind == "one" and rank == 0:    # the writer's directory: one tensor per shard file

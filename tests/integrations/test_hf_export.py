@@ -53,7 +53,9 @@ CASES = [
     {"id": "llama_one_tensor_per_shard", "model": "gqa", "src": {"tp": 2}, "memory_bytes": 1},
     # Megatron's embedding and head padded to 192 rows, 100 of them real: the padding is not exported
     {"id": "llama_padded_vocab_tp2", "model": "gqa", "src": {"tp": 2}, "padded_vocab": 192, "vocab_size": 100},
-    # shard 2 cannot be written (a directory is in the way): every rank raises, no index is written
+    # two process groups export into one directory at once (ranks 0-1 fp32, ranks 2-3 bf16): the second is refused
+    {"id": "concurrent_two_groups", "model": "gqa", "src": {"tp": 2}, "concurrent": True},
+    # shard 2 cannot be written (a directory is in the way): every rank raises, out_dir keeps what it held
     {"id": "dsv3_write_fails", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": DSV3, "memory_bytes": 96 << 10,
      "block_shard": 2, "refused": True},
     # topk 2 over 2 of 4 groups: Megatron scores groups by their top 1, transformers by their top 2
@@ -94,7 +96,8 @@ def _merged_expected(results, i) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if not c.get("refused") and not c.get("hidden")],
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if not (c.get("refused") or c.get("hidden")
+                                                                        or c.get("concurrent"))],
                          ids=lambda i: CASES[i]["id"])
 def test_exported_directory_loads_with_megatron_logits(exported, i):
     from safetensors.torch import load_file
@@ -161,9 +164,43 @@ def test_failed_shard_write_raises_on_every_rank(exported):
         err = r[i]["error"]
         assert err.startswith("ReshardError: export_hf: rank 0: writing ") and "/model-00002-of-" in err, err
         assert "Is a directory" in err and "refused" not in err, err
-    left = os.listdir(os.path.join(root, CASES[i]["id"]))
-    assert "model-00001-of-" in " ".join(left)                         # shard 1 was written ...
-    assert "model.safetensors.index.json" not in left and "config.json" not in left   # ... but nothing says complete
+    out_dir = os.path.join(root, CASES[i]["id"])       # as it was before: an earlier export's files and the user's
+    assert {f: open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)} == {
+        "config.json": '{"previous": true}', "model.safetensors.index.json": '{"weight_map": {}}',
+        "tokenizer.json": '{"user": "file"}'}
+    assert [f for f in os.listdir(root) if f.startswith(".dsv3_write_fails.")] == []    # no staging, no lock left
+
+
+@pytest.mark.multiproc
+def test_two_exports_into_one_directory_never_mix(exported):
+    """Issue 37: export A (ranks 0-1, fp32) holds the directory, half written; export B (ranks 2-3, bf16) into the
+    same directory is refused on both of its ranks, naming the directory and A's writer, and leaves nothing; A
+    completes alone (every shard fp32).  B, run again once A returned, replaces A as a whole (every shard bf16,
+    index and config B's, the user's tokenizer.json carried over), leaving no staging directory or lock."""
+    from transformers import AutoModelForCausalLM
+    root, results = exported
+    i = next(i for i, c in enumerate(CASES) if c.get("concurrent"))
+    out_dir = os.path.join(root, CASES[i]["id"])
+    r = [res[i] for res in results]
+    for q in (2, 3):
+        err = r[q]["b_refused"]
+        assert err.startswith("ReshardError: ") and f"{out_dir} is being written by another writer (pid " \
+            f"{r[0]['pids'][0]} on host" in err and "export_hf writing rank 0 of a group of 2" in err, err
+    for listing, dtype, files in ((r[0]["after_a"], "F32", r[0]["a"]), (r[0]["after_b"], "BF16", r[2]["b"])):
+        assert sorted(listing) == sorted(files + ["tokenizer.json"]), sorted(listing)
+        shards = {f: d for f, d in listing.items() if f.endswith(".safetensors")}
+        assert len(shards) >= 8 and all(d == [dtype] for d in shards.values()), shards
+        index = json.loads(listing["model.safetensors.index.json"])
+        assert sorted(set(index["weight_map"].values())) == sorted(shards)
+        assert listing["tokenizer.json"] == '{"user": "file"}'
+    assert json.loads(r[0]["after_b"]["config.json"])["dtype"] == "bfloat16"
+    assert r[0]["leftovers"] == [], r[0]["leftovers"]
+    model, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"], info
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        logits = model.float()(r[2]["tokens"]).logits
+    assert float((logits - r[2]["logits"]).abs().max()) < 0.1     # B's replica, in bf16
 
 
 @pytest.mark.multiproc
