@@ -120,8 +120,10 @@ def _short(v) -> str:
 def check_hf_fields(items: Mapping[str, Any], model_type: str, family: str) -> list[str]:
     """One line per field of ``items`` (a transformers config as a dict) that the reader cannot prove it handles:
     a required value not met, or a field none of the tables knows whose value differs from the default."""
-    defaults = _class_defaults(model_type)
     requires = {**REQUIRE["*"], **REQUIRE.get(model_type, {})}
+    known = METADATA | ENGINE_MATH | READ[family] | set(requires)
+    # transformers' defaults only for a field the tables do not know (no transformers import otherwise)
+    defaults = _class_defaults(model_type) if any(k not in known and not k.startswith("_") for k in items) else None
     problems = []
     for key, value in items.items():
         if key in requires:
