@@ -163,11 +163,13 @@ def ptrs(model) -> dict:
 
 # ----------------------------------------------------------------------------------- the launch
 
-def _trainer(g, src, tensors, expect_error: bool = False, steps=(), **kw) -> dict:
+def _trainer(g, src, tensors, expect_error: bool = False, steps=(), keep: dict | None = None, **kw) -> dict:
     try:
         r = join_refit(g, src=src, src_tensors=tensors, timeout=60, **kw)
     except ReshardError as e:
         return {"error": str(e), "expected": expect_error}
+    if keep is not None:
+        keep["resharder"] = r
     for step, full in steps:
         # the trainer's weights change in place between refits (an optimizer step)
         new = materialize(build_layout(src) if isinstance(src, dict) else src, dist_rank(g), full)
@@ -175,6 +177,14 @@ def _trainer(g, src, tensors, expect_error: bool = False, steps=(), **kw) -> dic
             t.copy_(new[n])
         r.refit(step)
     return {"error": None, "rounds": r.plan.rounds, "messages": len(r.plan.messages)}
+
+
+def outcome(fn) -> dict:
+    """``{"type", "error", "value"}`` of ``fn()`` (type None: it returned)."""
+    try:
+        return {"type": None, "error": None, "value": fn()}
+    except Exception as e:  # noqa: BLE001 - the test judges the type
+        return {"type": type(e).__name__, "error": str(e), "value": None}
 
 
 def dist_rank(g) -> int:
@@ -201,7 +211,8 @@ def scenarios(rank: int, world: int, tmp: str) -> dict:
     if trainer:
         src = hf_layout(CFG, rank=tr, dtype=DT)
         S = materialize(src, tr, full[1])
-        out["vllm_hf"] = _trainer(g, src, S, steps=[(1, full[1]), (2, full[2])], **opts)
+        kept: dict = {}
+        out["vllm_hf"] = _trainer(g, src, S, steps=[(1, full[1]), (2, full[2])], keep=kept, **opts)
     else:
         gr = OFFSET + rank
         before = ptrs(model)
@@ -220,6 +231,21 @@ def scenarios(rank: int, world: int, tmp: str) -> dict:
         res["resets"] = len(w.model_runner.resets)
         res["state"] = w.mcore_reshard_state()["version"]
         out["vllm_hf"] = res
+
+    # 1b. worker 1 calls prepare (join_refit) a second time while every other rank refits: refused on
+    #     every rank (the library's error), nothing moves, the worker lives, and the next refit lands
+    if trainer:
+        r = kept["resharder"]
+        for n, t in materialize(src, tr, full[1]).items():    # new weights: what refit 3 must land
+            S[n].copy_(t)
+        out["rejoin"] = {"first": outcome(lambda: r.refit(3) and None), "second": outcome(lambda: r.refit(3)["version"])}
+    else:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        first = outcome(lambda: (w.mcore_reshard_prepare(**opts) if rank == 1 else w.mcore_reshard_refit(3)) and None)
+        untouched = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        second = outcome(lambda: w.mcore_reshard_refit(3)["version"])
+        out["rejoin"] = {"first": first, "second": second, "untouched": untouched,
+                         "bad": compare(model, materialize(lay1, OFFSET + rank, full[1]))}
 
     # 2. vLLM tp=2 with expert parallelism, from a Megatron tp=2 ep=2 source given as a spec
     msrc = layout_spec("megatron", CFG, sizes={"tp": 2, "ep": 2, "etp": 1}, dtype=DT)
@@ -317,6 +343,21 @@ def test_vllm_refit_from_hf_source_bit_exact_in_place(runs):
             assert cache["done"] and cache["owner"] == "FakeRunner"
         assert [s["version"] for s in res["refits"]] == [1, 2] and res["state"] == 2
         assert res["ptrs_same"] and res["resets"] == 2
+
+
+@pytest.mark.multiproc
+def test_second_join_refused_on_every_rank_worker_lives(runs):
+    """A worker calling prepare (join_refit) again while its peers refit: gloo used to abort the worker's
+    process on the mismatched collective sizes (its peers then got TransferError).  Now every rank
+    raises ReshardError naming the steps, nothing moves, and the next refit lands bit-exact."""
+    for k, r in enumerate(runs):
+        o = r["rejoin"]
+        assert o["first"]["type"] == "ReshardError", (k, o["first"])
+        assert "different protocol steps" in o["first"]["error"] and "metadata exchange" in o["first"]["error"], o
+        assert "ranks [3] in metadata exchange" in o["first"]["error"], o["first"]["error"]
+        assert o["second"] == {"type": None, "error": None, "value": 3}, (k, o["second"])
+    for r in runs[:2]:
+        assert r["rejoin"]["untouched"] and r["rejoin"]["bad"] == [], r["rejoin"]
 
 
 @pytest.mark.multiproc

@@ -21,10 +21,15 @@ _OPT_BYTES = 64
 # control messages (handshake, retry handshake, confirmation, refit start) share one fixed size and
 # carry their kind, so ranks at different protocol steps are detected instead of exchanging
 # mismatched bytes
-_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation", 4: "refit start"}
+# a metadata exchange (:func:`all_gather_json`) opens with one too (kind 5, ``version``: its payload's
+# size): every collective step of the library begins with a message of this one size, so a rank at
+# another step (a worker calling join_refit again while its peers refit) is refused on every rank
+# instead of gloo aborting the process on a size mismatch
+_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation", 4: "refit start", 5: "metadata exchange"}
 _C_KIND, _C_OK, _C_FLAGS, _C_VER, _C_TOKEN, _C_DIGEST, _C_OPT = 0, 1, 2, 3, 11, 19, 51
 _C_TEXT = _C_OPT + _OPT_BYTES
-_C_SIZE = _C_TEXT + _MSG_BYTES
+_C_SEQ = _C_TEXT + _MSG_BYTES     # the sender's check-in count on the group (see checkin)
+_C_SIZE = _C_SEQ + 8
 
 
 def _put(payload: torch.Tensor, at: int, data: bytes, limit: int) -> None:
@@ -37,8 +42,11 @@ def exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool =
              text: str = "", timeout: float | None = None, token: int = 0, flags: int = 0) -> list[dict]:
     """All-gather one fixed-size control message per rank (tensors, never pickle): kind, ok,
     ``flags`` (a byte), refit ``version``, ``token`` (64-bit binding id), plan ``digest``,
-    ``options`` and error ``text``; returns them as dicts in rank order."""
+    ``options`` and error ``text``; returns them as dicts in rank order.  Each also carries the
+    sender's check-in count on the group (``seq``); every rank continues from the highest (a rank
+    that checked in for a step the others were not at stays in step with them afterwards)."""
     world = dist.get_world_size(group)
+    name = _group_name(group)
     payload = torch.zeros(_C_SIZE, dtype=torch.uint8)
     payload[_C_KIND] = kind
     payload[_C_OK] = 1 if ok else 0
@@ -48,6 +56,7 @@ def exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool =
     _put(payload, _C_DIGEST, bytes.fromhex(digest) if digest else b"", 32)
     _put(payload, _C_OPT, options.encode(), _OPT_BYTES)
     _put(payload, _C_TEXT, text.encode(), _MSG_BYTES)
+    _put(payload, _C_SEQ, _SEQ.get(name, 0).to_bytes(8, "little", signed=False), 8)
     payload = payload.to(group_device(group))
     gathered = [torch.empty_like(payload) for _ in range(world)]
     bounded_wait(dist.all_gather(gathered, payload, group=group, async_op=True), timeout, group)
@@ -59,12 +68,23 @@ def exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool =
                     "token": int.from_bytes(b[_C_TOKEN:_C_TOKEN + 8], "little", signed=False),
                     "digest": b[_C_DIGEST:_C_DIGEST + 32].hex(),
                     "options": b[_C_OPT:_C_TEXT].rstrip(b"\0").decode(errors="replace"),
-                    "text": b[_C_TEXT:].rstrip(b"\0").decode(errors="replace")})
+                    "text": b[_C_TEXT:_C_SEQ].rstrip(b"\0").decode(errors="replace"),
+                    "seq": int.from_bytes(b[_C_SEQ:_C_SEQ + 8], "little", signed=False)})
+    if name is not None:
+        _SEQ[name] = max(m["seq"] for m in out)
     return out
 
 
 _F_SETTLE = 4       # handshake message flag: the sender settles the outcome through the store (_settle)
-_SEQ: dict[str, int] = {}
+_SEQ: dict[str, int] = {}   # check-ins per process group name (checkin; kept in step by exchange)
+
+
+def _group_name(group) -> str | None:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+        return c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
+    except Exception:  # noqa: BLE001 - not a real group (tests)
+        return None
 
 
 def checkin(group) -> tuple | None:
@@ -108,7 +128,8 @@ def step_mismatch(msgs: list[dict], kind: int) -> str | None:
         return None
     by: dict[str, list[int]] = {}
     for r, m in enumerate(msgs):
-        by.setdefault(f"{_KIND.get(m['kind'], 'unknown step %d' % m['kind'])} (refit {m['version']})", []).append(r)
+        step = _KIND.get(m["kind"], "unknown step %d" % m["kind"])
+        by.setdefault(step + (f" (refit {m['version']})" if m["kind"] in (2, 3, 4) else ""), []).append(r)
     return "ranks are at different protocol steps: " + "; ".join(f"ranks {rs} in {k}" for k, rs in sorted(by.items()))
 
 
@@ -173,6 +194,8 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
     # every rank settles only when every rank's message says it does (same step, same kind of caller);
     # otherwise every rank sees the mismatch in the messages and raises below
     if settle and all(m["kind"] == kind and m["flags"] & _F_SETTLE for m in msgs):
+        if ticket is not None:      # the verdict key every rank agrees on: the highest check-in count
+            ticket = (ticket[0], max(m["seq"] for m in msgs), ticket[2])
         elsewhere = _settle(ticket, rank, True, timeout, group)
         if elsewhere:
             raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank}: its exchange completed here but not on "
@@ -215,11 +238,19 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     rank = dist.get_rank(group)
     t0 = time.monotonic()
     ticket = checkin(group)
+    try:     # the sizes, as control messages (kind 5): a rank at another step is seen, not mismatched
+        opening = exchange(group, 5, version=len(data), timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a peer that died or never joined
+        raise ReshardError(f"metadata exchange (all_gather_json) failed on rank {rank} after "
+                           f"{time.monotonic() - t0:.1f} s: {_who(ticket)}; cause: {type(e).__name__}: {str(e)[:300]}") from e
+    step = step_mismatch(opening, 5)
+    if step:
+        raise ReshardError(f"metadata exchange (all_gather_json) refused on rank {rank}: {step} (a rank called a "
+                           "collective of the library the others are not in, e.g. join_refit again while they refit); "
+                           "nothing was exchanged")
+    sizes = [m["version"] for m in opening]
     try:
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        sizes = [torch.empty_like(size) for _ in range(world)]
-        bounded_wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout, group)
-        longest = max(int(s) for s in sizes)
+        longest = max(sizes)
         buf = torch.zeros(longest, dtype=torch.uint8)
         if data:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -229,7 +260,7 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     except Exception as e:  # noqa: BLE001 - a peer that died or never joined
         raise ReshardError(f"metadata exchange (all_gather_json) failed on rank {rank} after "
                            f"{time.monotonic() - t0:.1f} s: {_who(ticket)}; cause: {type(e).__name__}: {str(e)[:300]}") from e
-    return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
+    return [json.loads(bytes(o[:n].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
 
 
 _F_EXPLICIT, _F_DIRTY = 1, 2
