@@ -31,7 +31,7 @@ from typing import Mapping
 
 import torch
 
-from ..core.executor import Resharder, ReshardError, agree, staging_size, torch_dtype
+from ..core.executor import Resharder, ReshardError, agree, kind_problem, staging_size, torch_dtype
 from .quant_layout import DEFAULT_BLOCK, FP8_MAX
 from .quant_plan import Fp8Plan
 
@@ -109,7 +109,12 @@ class Fp8Resharder:
         self.version = 0
         self.last_stats: dict = {}
         self._interrupted: dict | None = None
-        errors = []
+        # a tensor of a kind no refit moves in place (sparse, nested, a wrapper subclass...): refused first,
+        # before anything below reads it
+        errors = [f"rank {rank}: {what} tensor {n} is {why}" for what, tensors in (("src", src), ("dst", dst))
+                  for n, t in tensors.items() if (why := kind_problem(t)) is not None]
+        if errors:
+            agree(group, plan.hash, errors, timeout=timeout)
         want_dst = set(plan.rest.buffers["dst"].get(rank, {}))
         for g in plan.groups:
             views = g.views.get(rank, {})

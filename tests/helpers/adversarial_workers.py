@@ -250,6 +250,9 @@ def misuse(rank: int, world: int) -> dict:
     refused("meta_dst", meta("dst"))
     refused("meta_src", meta("src"))
 
+    # -- tensor kinds without plain strided storage, given on rank 1 only: refused on every rank, by name
+    res["kinds"] = _tensor_kinds(rank, src, dst, full, plan)
+
     # -- item 8: options that must agree: overlap, the environment variable, threads
     refused("overlap_differs", lambda S, D: Resharder(plan, S, D, timeout=10, overlap=(rank == 0)))
     os.environ["MCORE_RESHARD_OVERLAP"] = "0" if rank == 0 else "1"
@@ -299,6 +302,68 @@ def misuse(rank: int, world: int) -> dict:
     # -- every dtype (fp8, bool), NaN / inf / -0 payloads, 0-size and >3-D tensors
     res["dtypes"] = _all_dtypes(rank, world)
     return res
+
+
+class _Plain(torch.Tensor):
+    """A tensor subclass of no known kind (its storage is plain, but nothing proves writes land)."""
+
+
+def _kinds() -> dict:
+    """Tensor kinds a refit cannot move in place: name -> (make from a dense tensor, words its error must say)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return {
+        "sparse_coo": (lambda t: t.to_sparse(), "sparse_coo tensor"),
+        "sparse_csr": (lambda t: t.reshape(t.shape[0], -1).to_sparse_csr(), "sparse_csr tensor"),
+        "sparse_csc": (lambda t: t.reshape(t.shape[0], -1).to_sparse_csc(), "sparse_csc tensor"),
+        "sparse_bsr": (lambda t: t.reshape(t.shape[0], -1)[:2, :2].to_sparse_bsr((1, 1)), "sparse_bsr tensor"),
+        "sparse_bsc": (lambda t: t.reshape(t.shape[0], -1)[:2, :2].to_sparse_bsc((1, 1)), "sparse_bsc tensor"),
+        "parameter_sparse": (lambda t: torch.nn.Parameter(t.to_sparse(), requires_grad=False), "sparse_coo tensor"),
+        "nested": (lambda t: torch.nested.nested_tensor([t.clone(), t.clone()]), "nested tensor"),
+        "nested_jagged": (lambda t: torch.nested.nested_tensor([t.clone(), t.clone()], layout=torch.jagged),
+                          "__torch_dispatch__"),
+        "quantized": (lambda t: torch.quantize_per_tensor(t.float(), 0.5, 0, torch.qint8), "quantized qint8"),
+        "functional": (lambda t: torch._to_functional_tensor(t.clone()), "functional tensor wrapper"),
+        "fake": (lambda t: FakeTensorMode().from_tensor(t), "FakeTensor, a tensor subclass with its own __torch_dispatch__"),
+        "subclass": (lambda t: t.clone().as_subclass(_Plain), "_Plain, a tensor subclass"),
+    }
+
+
+def _tensor_kinds(rank, src, dst, full, plan) -> dict:
+    """Each kind as rank 1's first source, then as its first destination (rank 0 gives plain tensors):
+    every rank must raise ReshardError at construction, nothing moved; then a bound destination whose
+    ``param.data`` is rebound to a FakeTensor between refits (the parameter is then a meta tensor: no
+    storage): refused at the refit on every rank.  (``param.data = <functional wrapper>`` is not a
+    case: torch itself crashes on the parameter's next detach.)"""
+    import warnings
+    out = {}
+    for kind, (make, _) in _kinds().items():
+        for side in ("src", "dst"):
+            S, D = _fresh(rank, src, dst, full)
+            bd, bs = snapshot(D), digest_of(S)
+            given = {"src": dict(S), "dst": dict(D)}
+            name = sorted(given[side])[0]
+            if rank == 1:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    given[side][name] = make(given[side][name])
+            o = outcome(lambda: Resharder(plan, given["src"], given["dst"], timeout=10).refit() and None)
+            o.update(dst_untouched=same_bits(bd, D), src_untouched=digest_of(S) == bs, name=name)
+            out[f"{kind}/{side}"] = o
+            dist.barrier()
+    S, D = _fresh(rank, src, dst, full)
+    PD = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in D.items()}
+    r = Resharder(plan, S, PD, timeout=10)
+    r.refit()
+    name = sorted(PD)[0]
+    if rank == 1:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        PD[name].data = FakeTensorMode().from_tensor(torch.zeros_like(D[name]))
+    bd = snapshot({n: D[n] for n in D if n != name})
+    o = outcome(lambda: r.refit() and None)
+    o.update(dst_untouched=same_bits(bd, {n: D[n] for n in D if n != name}), src_untouched=True, name=name)
+    out["fake/followed"] = o
+    dist.barrier()
+    return out
 
 
 def _refit_version(r, v):

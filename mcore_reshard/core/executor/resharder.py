@@ -16,7 +16,7 @@ from .binding import bind
 from .common import check_timeout, group_device, group_timeout, waits_block
 from .errors import ReshardError
 from .handshake import agree, group_guard
-from .owners import Owners, describe, is_dtensor, record, storage_of
+from .owners import Owners, describe, is_dtensor, kind_problem, record, shape_text, storage_of
 from .preflight import check_aliasing, check_arguments, check_binding, member_rank, own_part
 from .transfer import Refit
 
@@ -86,6 +86,11 @@ class Resharder:
         # (nn.Parameter sources / destinations stay leaves, requires_grad and all); a DTensor is
         # bound through its local shard.  The owners (the objects given) are kept: every refit
         # checks that they still use the storage bound (param.data rebound: see refit)
+        # a tensor a refit cannot move in place (sparse, nested, quantized, a wrapper subclass...) is
+        # refused on every rank in the handshake below; nothing else touches it (no storage to read)
+        refused = self._kind_errors(src, dst, staging)
+        if refused:
+            src, dst = {}, {}
         with torch.inference_mode(False):
             self.src = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
             self.dst = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
@@ -95,7 +100,7 @@ class Resharder:
         # a templated plan is bound through this rank's own part, made from its templates alone (no
         # other rank's copies are ever made here); its hash, what the handshake compares, is the whole plan's
         self._part, errors = own_part(plan, self.rank)
-        errors += self._intake_errors(src, dst, staging)
+        errors += refused or self._intake_errors(src, dst, staging)
         buffer_version: dict[str, int | None] = {} if errors else {
             n: None for n in self._part.buffers["dst"].get(self.rank, {})}
         # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
@@ -138,6 +143,18 @@ class Resharder:
 
     def _options(self) -> str:
         return f"verify={int(self.verify)},confirm={int(self.confirm)},overlap={int(self.overlapped())}"
+
+    def _kind_errors(self, src, dst, staging) -> list[str]:
+        """Every given tensor of a kind a refit cannot move in place (:func:`~.owners.kind_problem`),
+        named with its side, shape, dtype and why."""
+        errors = []
+        for side, given in (("src", src), ("dst", dst), ("staging", {"buffer": staging})):
+            for n, t in dict(given).items():
+                why = kind_problem(t) if isinstance(t, torch.Tensor) else None
+                if why is not None:
+                    errors.append(f"rank {self.rank}: {side} {'tensor ' + n if side != 'staging' else 'buffer'} "
+                                  f"{shape_text(t)} is {why}")
+        return errors if len(errors) <= 8 else errors[:8] + [f"rank {self.rank}: and {len(errors) - 8} more such tensors"]
 
     def _intake_errors(self, src, dst, staging) -> list[str]:
         """Tensors a refit could not use as given: an inference tensor to write (torch refuses an

@@ -82,6 +82,25 @@ def test_item7_meta_device_refused(misuse):
     _refused(misuse, "meta_src", text="meta device")
 
 
+@pytest.mark.parametrize("kind", list(adversarial_workers._kinds()) + ["fake/followed"])
+def test_tensor_kinds_without_strided_storage_refused_everywhere(misuse, kind):
+    """Sparse (every layout), nested, quantized, functional, fake and unknown subclasses, given on
+    rank 1 only as a source or a destination: every rank raises ReshardError in the handshake, naming
+    rank 1, the tensor and its kind; no byte moved.  (A sparse source used to crash rank 1 with a raw
+    RuntimeError while rank 0 waited out the timeout.)  A destination whose ``param.data`` became a
+    FakeTensor (a meta tensor: no storage) after binding is refused at the next refit, not followed."""
+    sides = ["followed"] if kind == "fake/followed" else ["src", "dst"]
+    words = "on meta" if kind == "fake/followed" else adversarial_workers._kinds()[kind][1]
+    for side in sides:
+        case = kind if side == "followed" else f"{kind}/{side}"
+        for rank, r in enumerate(misuse):
+            o = r["kinds"][case]
+            assert o["type"] == "ReshardError", (rank, case, o)
+            assert o["dst_untouched"] and o["src_untouched"], (rank, case, o)
+            assert f"rank 1: {'dst' if side == 'followed' else side} tensor {o['name']}" in o["error"], (rank, case, o["error"])
+            assert words in o["error"], (rank, case, o["error"])
+
+
 def test_item8_options_and_threads(misuse):
     _refused(misuse, "overlap_differs", text="options differ between ranks")
     _refused(misuse, "overlap_env_differs", text="overlap=0")
