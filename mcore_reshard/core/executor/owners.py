@@ -116,8 +116,23 @@ class Owners:
 
     def __init__(self, records: list[Record]):
         self.records = records
-        self._plain = [(rec, rec.owner) for rec in records if not is_dtensor(rec.owner)]
-        self._dtensors = [(rec, rec.owner) for rec in records if is_dtensor(rec.owner)]
+        self._split()
+
+    def _split(self) -> None:
+        self._plain = [(rec, rec.owner) for rec in self.records if not is_dtensor(rec.owner)]
+        self._dtensors = [(rec, rec.owner) for rec in self.records if is_dtensor(rec.owner)]
+
+    def replace(self, side: str, name: str, owner) -> bool:
+        """``owner`` now owns the buffer ``name`` of ``side`` (its module or parameter object was replaced:
+        :meth:`Resharder.watch`); the next :meth:`changed` compares its storage with the recorded one.
+        False when no such buffer is bound."""
+        for rec in self.records:
+            if rec.side == side and rec.name == name:
+                if rec.owner is not owner:
+                    rec.owner = owner
+                    self._split()
+                return True
+        return False
 
     def changed(self) -> list[tuple[Record, torch.Tensor]]:
         """``(record, the owner's current storage)`` of every owner whose storage is not the

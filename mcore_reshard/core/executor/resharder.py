@@ -74,6 +74,7 @@ class Resharder:
             raise ValueError(f"overlap={overlap!r} (None, True or False), verify={verify!r}, confirm={confirm!r} (True or False)")
         self._shared_staging = staging
         self._layouts = layouts
+        self._watchers: list = []
         self.overlap = overlap
         self.plan = plan
         self.group = group
@@ -205,11 +206,35 @@ class Resharder:
         ``verify``): the most this rank stages to send plus receive in any one round."""
         return self.staging.numel()
 
+    def watch(self, side: str, check) -> None:
+        """Run ``check()`` at the start of every refit, before the owners check, for the bound tensors of
+        ``side`` ("src" / "dst"): it returns ``(problems, replaced)`` -- this rank's reasons to refuse
+        (every rank then refuses before a byte moves) and ``{buffer name: tensor}``, the objects that
+        now own bound buffers (a module or parameter replaced in the model they came from, e.g.
+        :meth:`mcore_reshard.util.identity.ModuleIdentity.check`).  A replaced owner is then followed
+        or refused exactly as a rebound ``param.data`` (see the class docstring)."""
+        if side not in ("src", "dst") or not callable(check):
+            raise ValueError(f"watch(side={side!r}, check={check!r}): side is 'src' or 'dst', check a callable")
+        self._watchers.append((side, check))
+
+    def _watched(self) -> list[str]:
+        problems = []
+        for side, check in self._watchers:
+            found, replaced = check()
+            problems += found
+            for name, owner in replaced.items():
+                self._owners.replace(side, name, owner)
+        return problems
+
     def follow_owners(self) -> list[str]:
-        """Local, before a refit's start exchange: every owner whose storage changed since bind
-        (``param.data = new``) is followed when the new storage has the bound shape, strides,
-        dtype and device (and shares no memory with another bound tensor): views are re-made on
-        it.  Returns the problems of the others (the refit is then refused on every rank)."""
+        """Local, before a refit's start exchange: the watchers first (:meth:`watch`), then every
+        owner whose storage changed since bind (``param.data = new``, or a replaced owner) is followed
+        when the new storage has the bound shape, strides, dtype and device (and shares no memory
+        with another bound tensor): views are re-made on it.  Returns the problems of the others
+        (the refit is then refused on every rank)."""
+        problems = self._watched() if self._watchers else []
+        if problems:
+            return problems
         changed = self._owners.changed()
         if not changed:
             return []
@@ -220,7 +245,7 @@ class Resharder:
             if why is None and rec.side == "dst" and now.is_inference():
                 why = "the new tensor is an inference tensor (a refit writes it in place outside inference mode)"
             if why is not None:
-                problems.append(f"rank {self.rank}: {rec.side} tensor {rec.name}: param.data was rebound after binding: "
+                problems.append(f"rank {self.rank}: {rec.side} tensor {rec.name}: param.data was rebound after binding (or its module / parameter object replaced): "
                                 f"storage 0x{rec.ptr:x} -> {describe(now)}; {why}")
             (src if rec.side == "src" else dst)[rec.name] = now
         if problems:
