@@ -639,6 +639,108 @@ def fault_cases(rank: int, world: int, cases: list, T: float) -> list:
     return out
 
 
+def _inject(kind: str) -> None:
+    """The fault itself: a real SIGINT to this process (Python raises KeyboardInterrupt at the next
+    instruction, right here), or an exception."""
+    if kind == "sigint":
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0)              # the interpreter runs the handler before this returns
+        raise AssertionError("SIGINT was not delivered")
+    raise RuntimeError("injected fault")
+
+
+def _hook(stage: str, kind: str):
+    """``(module or class, attribute, wrapper maker)`` that injects ``kind`` at ``stage`` of a refit."""
+    import mcore_reshard.core.executor.rounds as rounds_mod
+    import mcore_reshard.core.executor.transfer as transfer_mod
+    from mcore_reshard.core.executor.resharder import Resharder as _R
+    calls = [0]
+
+    def before(orig, nth=1, when=lambda *a, **k: True):
+        def f(*a, **k):
+            if when(*a, **k):
+                calls[0] += 1
+                if calls[0] == nth:
+                    _inject(kind)
+            return orig(*a, **k)
+        return f
+
+    def after(orig, when=lambda *a, **k: True):
+        def f(*a, **k):
+            out = orig(*a, **k)
+            if when(*a, **k):
+                _inject(kind)
+            return out
+        return f
+
+    def confirm(*a, **k):
+        return (a[1] if len(a) > 1 else k.get("kind")) == 3
+
+    def last_round(self, stage, version):
+        return stage == len(self.binding.rounds) - 1
+
+    return {
+        "before_start": (_R, "follow_owners", before),                         # outside the refit's state
+        "start": (transfer_mod, "refit_start", after),                         # the start agreed everywhere
+        "local": (transfer_mod.LocalCopies, "step", before),                   # first slice of the local copies
+        "round": (rounds_mod, "unpack", lambda o: before(o, nth=3)),           # the 3rd message unpacked
+        "last_round": (transfer_mod.Refit, "stage_end", lambda o: after(o, when=last_round)),   # every round landed
+        "confirm": (transfer_mod, "exchange", lambda o: before(o, when=confirm)),              # before the confirmation
+        "after_confirm": (transfer_mod, "exchange", lambda o: after(o, when=confirm)),         # the confirmation completed
+    }[stage]
+
+
+def interrupt_retry_cases(rank: int, world: int, cases: list, T: float) -> list:
+    """Issue 37 defect 9, deterministic: ``(stage, kind, victim, path)``: every rank holds sources and
+    destinations (pp=3 -> dp=3 colocated: each rank sends, receives and copies locally, ~100 rounds);
+    refit 1 lands; new sources; refit 2 with ``kind`` ("sigint": a real SIGINT; "raise") injected on
+    ``victim`` at ``stage``; then at once, without waiting for each other (the documented recovery as a
+    user runs it), every rank retries ``refit()`` on the same group; then ``rebind(fresh group)`` and
+    ``refit()``.  Records per call its outcome and whether this rank's destinations hold exactly the
+    version each buffer claims (and, after a success, exactly the new weights)."""
+    src, dst = build_layouts("pp=3", "tp=1,dp=3", True)
+    plan = make_plan(src, dst, budget_bytes=8192)
+    out = []
+    for stage, kind, victim, path in cases:
+        g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=T))
+        full1 = {n: reference_tensor(n, m.shape, step=1) for n, m in src.tensors.items()}
+        full2 = {n: reference_tensor(n, m.shape, step=2) for n, m in src.tensors.items()}
+        S, D = cut(src, rank, full1), cut(dst, rank, full1, fill=7)
+        want = {1: cut(dst, rank, full1, 0), 2: cut(dst, rank, full2, 0)}
+        r = Resharder(plan, S, D, g, timeout=None, overlap=None if path == "overlapped" else False)
+        r.refit()
+        for n, t in cut(src, rank, full2).items():
+            S[n].copy_(t)
+        dist.barrier()
+
+        def claims():
+            # versions >= 2 all hold the step-2 weights (the sources do not change after refit 1)
+            return all(torch.equal(want[min(v, 2)][n], D[n]) for n, v in r.state()["buffers"].items() if v is not None)
+
+        def call(fn):
+            try:
+                o = {"type": None, "result": fn()}
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included: it is the injected fault
+                o = {"type": type(e).__name__, "error": str(e)[:600]}
+            o["claims_true"] = claims()
+            o["exact"] = same_bits(want[2], D)
+            return o
+
+        res = {"case": [stage, kind, victim, path], "rank": rank}
+        owner, name, make = _hook(stage, kind)
+        ctx = _patched(owner, name, make) if rank == victim else contextlib.nullcontext()
+        with ctx:
+            res["first"] = call(lambda: r.refit()["version"])
+        res["retry"] = call(lambda: r.refit()["version"])          # at once, on the same group
+        g2 = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=10 * T))
+        res["rebind"] = call(lambda: r.rebind(g2))
+        res["final"] = call(lambda: r.refit()["version"])
+        res["state"] = r.state()
+        out.append(res)
+        dist.barrier()
+    return out
+
+
 def _resume(rank, victim, kind, pids):
     """A survivor continues a SIGSTOPped victim once it has raised (the victim then sees its broken group)."""
     if kind == "sigstop" and rank != victim and rank == (victim + 1) % len(pids):

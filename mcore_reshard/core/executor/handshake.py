@@ -363,13 +363,16 @@ def group_guard(group, rank: int, what: str):
     pg = group if group is not None else dist.group.WORLD
     with _LOCKS_GUARD:
         lock, holder = _LOCKS.setdefault(id(pg), (threading.Lock(), [None]))
-    if not lock.acquire(blocking=False):
-        raise ReshardError(f"rank {rank}: cannot {what}: thread {holder[0]!r} is running a refit or handshake over "
-                           "the same process group in this process; Resharders sharing a group must run one after "
-                           "another (use one thread, or a group per thread)")
-    holder[0] = threading.current_thread().name
-    try:
+    acquired = False
+    try:     # a KeyboardInterrupt anywhere in here still releases the lock (else the group is refused forever)
+        acquired = lock.acquire(blocking=False)
+        if not acquired:
+            raise ReshardError(f"rank {rank}: cannot {what}: thread {holder[0]!r} is running a refit or handshake "
+                               "over the same process group in this process; Resharders sharing a group must run one "
+                               "after another (use one thread, or a group per thread)")
+        holder[0] = threading.current_thread().name
         yield
     finally:
-        holder[0] = None
-        lock.release()
+        if acquired:
+            lock.release()
+            holder[0] = None

@@ -275,3 +275,27 @@ def test_nccl_host_side_deadline_and_abort(monkeypatch):
     # a timeout error is classified as such by the round error text
     from mcore_reshard.core.executor.errors import is_timeout
     assert is_timeout(TimeoutError("Timed out waiting 300ms (host-side deadline; communicator aborted)"))
+
+
+def test_group_guard_released_after_an_interrupt_inside_it(monkeypatch):
+    """A KeyboardInterrupt right after the per-group lock was taken (before the body) used to leave it
+    held: every later refit / rebind over that group in the process was refused ('thread None is
+    running a refit').  In process: the interrupt lands in the guard's own bookkeeping."""
+    import threading
+    import types
+
+    from mcore_reshard.core.executor import ReshardError, handshake
+    group = object()
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(handshake, "threading", types.SimpleNamespace(Lock=threading.Lock, current_thread=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        with handshake.group_guard(group, 0, "refit"):
+            pass
+    monkeypatch.undo()
+    with handshake.group_guard(group, 0, "refit"):       # free again
+        with pytest.raises(ReshardError, match="same process group"):
+            with handshake.group_guard(group, 0, "refit"):
+                pass
