@@ -72,6 +72,21 @@ class Fp8:
     memory_bytes: int | None = None
 
 
+def _kind_errors(rank: int, src: Mapping, dst: Mapping) -> list[str]:
+    """Tensors of a kind no refit moves in place (sparse, nested, a wrapper subclass...: ``kind_problem``)."""
+    return [f"rank {rank}: {what} tensor {n} is {why}" for what, tensors in (("src", src), ("dst", dst))
+            for n, t in tensors.items() if (why := kind_problem(t)) is not None]
+
+
+def _stale_sources(rank: int, quantized: Mapping[str, tuple]) -> list[str]:
+    """Source tensors the quantization reads (``quantized``: name -> (owner, bound storage)) whose
+    owner moved to other storage since bind (``param.data = new``): the quantization jobs hold views
+    of the bound storage, so such a refit is refused (bind again)."""
+    return [f"rank {rank}: src tensor {n}: param.data was rebound after binding; the FP8 refit quantizes views of "
+            "the storage bound and cannot follow it: bind again" for n, (owner, ptr) in quantized.items()
+            if owner.data_ptr() != ptr]
+
+
 def _pick(tensors: Mapping[str, torch.Tensor], plan, side: str, rank: int) -> dict:
     return {n: tensors[n] for n in plan.buffers[side].get(rank, {}) if n in tensors}
 
@@ -109,11 +124,8 @@ class Fp8Resharder:
         self.version = 0
         self.last_stats: dict = {}
         self._interrupted: dict | None = None
-        # a tensor of a kind no refit moves in place (sparse, nested, a wrapper subclass...): refused first,
-        # before anything below reads it
-        errors = [f"rank {rank}: {what} tensor {n} is {why}" for what, tensors in (("src", src), ("dst", dst))
-                  for n, t in tensors.items() if (why := kind_problem(t)) is not None]
-        if errors:
+        errors = _kind_errors(rank, src, dst)
+        if errors:      # refused first, before anything below reads such a tensor
             agree(group, plan.hash, errors, timeout=timeout)
         want_dst = set(plan.rest.buffers["dst"].get(rank, {}))
         for g in plan.groups:
@@ -180,14 +192,6 @@ class Fp8Resharder:
             b = Resharder(g.stage_b, _pick(temp, g.stage_b, "src", rank), _pick(gdst, g.stage_b, "dst", rank), group, **kw)
             self.groups.append((asm, jobs, b))
 
-    def _stale_sources(self) -> list[str]:
-        """Source tensors the quantization reads whose owner moved to other storage since bind
-        (``param.data = new``): the quantization jobs hold views of the bound storage, so such a
-        refit is refused (bind again)."""
-        return [f"rank {self.rank}: src tensor {n}: param.data was rebound after binding; the FP8 refit quantizes "
-                "views of the storage bound and cannot follow it: bind again" for n, (owner, ptr) in self._quantized.items()
-                if owner.data_ptr() != ptr]
-
     def refit(self, version: int | None = None, *, refusal: list[str] | None = None) -> dict:
         """Move every byte once (collective): unquantized tensors, then each group's assembly,
         quantization and FP8 transfer.  Returns this rank's counts.  ``refusal``: this rank's
@@ -201,7 +205,7 @@ class Fp8Resharder:
         def add(st):
             out["messages_sent"] += st.get("messages_sent", 0)
             out["staged_bytes_sent"] += st.get("staged_bytes_sent", 0)
-        refusal = list(refusal or []) + self._stale_sources()
+        refusal = list(refusal or []) + _stale_sources(self.rank, self._quantized)
         started = False
         try:
             add(self.rest.refit(v, refusal=refusal or None))

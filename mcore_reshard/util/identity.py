@@ -97,6 +97,40 @@ def signature_diff(old: torch.nn.Module, new: torch.nn.Module, limit: int = 6) -
     return "; ".join(parts)
 
 
+def _flatten(roots: list) -> tuple[list, list]:
+    """Every recorded edge of ``roots`` (:class:`_Root`) as ``(mapping, key, object)``: the dict of its
+    parent module that holds it (``_modules`` / ``_parameters`` / ``_buffers``, what ``named_parameters``
+    walks) -- the fast list --, and ``(holder, key, object)`` read generically (roots, attributes
+    outside those dicts)."""
+    fast: list[tuple] = []
+    generic: list[tuple] = [(r.holder, r.key, r.node.obj) for r in roots]
+
+    def edges(node: _Node) -> None:
+        m = node.obj
+        slots = [getattr(m, "_modules", {}), getattr(m, "_parameters", {}), getattr(m, "_buffers", {})]
+        items = [(k, c.obj) for k, c in node.children.items()] + [(k, t) for k, (_, t) in node.leaves.items()
+                                                                  if t is not None]
+        for key, obj in items:
+            where = next((d for d in slots if d.get(key) is obj), None)
+            if where is not None:
+                fast.append((where, key, obj))
+            else:
+                generic.append((m, key, obj))
+        for c in node.children.values():
+            edges(c)
+    for r in roots:
+        edges(r.node)
+    return fast, generic
+
+
+def _below(node: _Node, rel: str = "", tensors: bool = False):
+    """(bound name, path below ``node`` -- or the tensor, with ``tensors``) of every leaf under ``node``."""
+    for key, (name, t) in node.leaves.items():
+        yield name, (t if tensors else f"{rel}{key}")
+    for key, child in node.children.items():
+        yield from _below(child, f"{rel}{key}.", tensors)
+
+
 class ModuleIdentity:
     """The objects along each bound tensor's path, checked at every refit (see the module doc).
 
@@ -162,26 +196,6 @@ class ModuleIdentity:
                               side=side or self.side, rank=self.rank if rank is None else rank,
                               follow=self.follow if follow is None else follow, leaves=self.leaves)
 
-    def _flatten(self) -> list[tuple]:
-        """Every recorded edge as ``(mapping, key, object)``: the dict of its parent module that holds it
-        (``_modules`` / ``_parameters`` / ``_buffers``, what ``named_parameters`` walks) or, for roots
-        and attributes outside them, ``(holder, key, object, True)`` read generically."""
-        out: list[tuple] = [(r.holder, r.key, r.node.obj, True) for r in self.roots]
-
-        def edges(node: _Node):
-            m = node.obj
-            slots = [getattr(m, "_modules", {}), getattr(m, "_parameters", {}), getattr(m, "_buffers", {})]
-            items = [(k, c.obj) for k, c in node.children.items()] + [(k, t) for k, (_, t) in node.leaves.items()
-                                                                      if t is not None]
-            for key, obj in items:
-                where = next((d for d in slots if d.get(key) is obj), None)
-                out.append((where, key, obj, False) if where is not None else (m, key, obj, True))
-            for c in node.children.values():
-                edges(c)
-        for r in self.roots:
-            edges(r.node)
-        return out
-
     def check(self) -> tuple[list[str], dict[str, torch.Tensor]]:
         """``(problems, followed)``: what cannot be followed (each naming rank, side, module path and
         why), and bound name -> the tensor object that now holds it, for every bound tensor whose
@@ -189,12 +203,9 @@ class ModuleIdentity:
 
         Cost: one dict lookup and identity compare per recorded edge while nothing changed (the
         common case); the full walk below only when one differs."""
-        flat = self._flat
-        if flat is None:
-            edges = self._flatten()
-            flat = self._flat = ([(d, k, o) for d, k, o, generic in edges if not generic],
-                                 [(h, k, o) for h, k, o, generic in edges if generic])
-        fast, generic = flat
+        if self._flat is None:
+            self._flat = _flatten(self.roots)
+        fast, generic = self._flat
         if all(d.get(k) is o for d, k, o in fast) and all(_get(h, k) is o for h, k, o in generic):
             return [], {}
         self._flat = None          # something moved: walk, then record the edges again
@@ -249,7 +260,7 @@ class ModuleIdentity:
             return
         fresh = _Node(now, node.path)
         lost = []
-        for name, rel in self._bound_below(node, ""):
+        for name, rel in _below(node):
             if not self._record(fresh, name, rel, self.leaves):
                 lost.append(name)
         if lost:
@@ -258,16 +269,9 @@ class ModuleIdentity:
         node.obj, node.children, node.leaves = fresh.obj, fresh.children, fresh.leaves
         if root is not None:
             root.node = node
-        for name, t in self._bound_below(node, "", tensors=True):
+        for name, t in _below(node, tensors=True):
             if t is not None:
                 followed[name] = t
-
-    def _bound_below(self, node: _Node, rel: str, tensors: bool = False):
-        """(bound name, path below ``node`` -- or the tensor, with ``tensors``) of every leaf under ``node``."""
-        for key, (name, t) in node.leaves.items():
-            yield name, (t if tensors else f"{rel}{key}")
-        for key, child in node.children.items():
-            yield from self._bound_below(child, f"{rel}{key}.", tensors)
 
 
 class TrackedTensors(dict):
