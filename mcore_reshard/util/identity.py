@@ -196,10 +196,11 @@ class ModuleIdentity:
                               side=side or self.side, rank=self.rank if rank is None else rank,
                               follow=self.follow if follow is None else follow, leaves=self.leaves)
 
-    def check(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+    def check(self, *, follow: bool | None = None) -> tuple[list[str], dict[str, torch.Tensor]]:
         """``(problems, followed)``: what cannot be followed (each naming rank, side, module path and
         why), and bound name -> the tensor object that now holds it, for every bound tensor whose
-        module or parameter object was replaced by one the refit can follow.
+        module or parameter object was replaced by one the refit can follow.  ``follow=False``: this
+        check follows nothing (every replacement is a problem, the record unchanged).
 
         Cost: one dict lookup and identity compare per recorded edge while nothing changed (the
         common case); the full walk below only when one differs."""
@@ -209,6 +210,12 @@ class ModuleIdentity:
         if all(d.get(k) is o for d, k, o in fast) and all(_get(h, k) is o for h, k, o in generic):
             return [], {}
         self._flat = None          # something moved: walk, then record the edges again
+        if follow is not None and follow != self.follow:
+            kept, self.follow = self.follow, follow
+            try:
+                return self.check()
+            finally:
+                self.follow = kept
         problems: list[str] = []
         followed: dict[str, torch.Tensor] = {}
         for root in self.roots:

@@ -97,3 +97,15 @@ def test_tracked_tensors_carry_their_identity_through_subset():
     assert identity_of({"x": torch.zeros(1)}, "src") is None     # a plain dict: tensor-level checks only
     m[1] = copy.deepcopy(m[1])
     assert set(ident.check()[1]) == {"1.1.bias"}
+
+
+def test_check_follow_false_refuses_and_keeps_the_record():
+    """check(follow=False) (dtensor_reshard: it writes the tensors it is given): a followable
+    replacement is a problem, and stays one at the next check."""
+    m = model()
+    ident = ModuleIdentity([(m, None, "")], {n: n for n in bound(m)}, side="dst", rank=0)
+    m[1] = copy.deepcopy(m[1])
+    for _ in range(2):
+        problems, followed = ident.check(follow=False)
+        assert followed == {} and "dst module model: 1 (Sequential) was replaced" in problems[0], problems
+    assert set(ident.check()[1]) == {"1.0.weight", "1.0.bias", "1.1.weight", "1.1.bias"}   # followed now
