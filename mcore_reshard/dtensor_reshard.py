@@ -49,6 +49,7 @@ from .core.executor.common import check_timeout, dtype_name
 from .core.executor.handshake import Step, checkin, exchange, missing_ranks
 from .core.layout import Layout
 from .core.planner import DEFAULT_BUDGET, Plan, make_plan
+from .util.identity import ModuleIdentity
 
 
 @dataclass(frozen=True)
@@ -479,6 +480,12 @@ def reshard(src, dst, group=None, *, name: str | None = None, budget_bytes: int 
 
     Inside ``with reshard_group(...)``: the call is recorded (``name``: its tensor name for a single
     tensor, default the call's position) and runs with the others when the block ends; returns None.
+
+    A call binds the tensors it is given (the binding is reused while the same local storage is
+    given).  A dict read from a model once and passed again later carries no news of the model: build
+    it with :func:`mcore_reshard.util.identity.tracked` (``tracked({"": model}, dict(model.named_parameters()),
+    rank=r)``) and a module or parameter object the model replaced since is refused on every rank,
+    naming it, before a byte moves.
     """
     pending = getattr(_ACTIVE, "group", None)
     if pending is not None:
@@ -490,6 +497,7 @@ def reshard(src, dst, group=None, *, name: str | None = None, budget_bytes: int 
     rank = dist.get_rank(group)
     local = _Local()
     for side, value in (("src", src), ("dst", dst)):
+        local.errors += _replaced_since_read(value, side, rank)
         try:
             entries = _as_map(value, side)
             if name is not None and not isinstance(value, Mapping):
@@ -503,6 +511,19 @@ def reshard(src, dst, group=None, *, name: str | None = None, budget_bytes: int 
 
 
 _ACTIVE = threading.local()
+
+
+def _replaced_since_read(value, side: str, rank: int) -> list[str]:
+    """A mapping read from modules that carries where its tensors live
+    (:class:`~mcore_reshard.util.identity.TrackedTensors`) whose model replaced a module or a parameter
+    object since: refused on every rank (a reshard writes the tensors it is given, which the model no
+    longer computes with: read them again)."""
+    ident = getattr(value, "identity", None)
+    if not isinstance(ident, ModuleIdentity):
+        return []
+    problems, _ = ident.check(follow=False)
+    return [f"{p} (reshard {'reads' if side == 'src' else 'writes'} the tensors it is given: read them again)"
+            for p in problems]
 
 
 class reshard_group:  # noqa: N801 - used as a context manager, like m2n.group()
@@ -536,6 +557,7 @@ class reshard_group:  # noqa: N801 - used as a context manager, like m2n.group()
         label = name if name is not None else f"tensor{self._count}"
         self._count += 1
         for side, value, into in (("src", src, self._src), ("dst", dst, self._dst)):
+            self._errors += _replaced_since_read(value, side, rank)
             try:
                 entries = _as_map(value, side)
             except TypeError as e:

@@ -42,6 +42,7 @@ from .fp8.quant_plan import make_fp8_plan
 from .fp8.quant_resharder import Fp8Resharder
 from .mapper.family import canonicalize, load_family
 from .sources.megatron_model import family_for, model_config, read_layout
+from .util.identity import identity_of
 
 ARCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
              "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank",
@@ -123,13 +124,28 @@ class MegatronRefit:
             else:
                 self.plan = make_plan(self.src_layout, self.dst_layout, budget_bytes=budget_bytes,
                                       allow_cast=allow_cast, ignore_unused=ignore_unused, topology=topology)
+        # what the refit bound, module by module (the chunks, their submodules, parameters; a target's model):
+        # checked at every refit, a replaced module followed or refused (see mcore_reshard.util.identity)
+        self.identities = [ident for side, t in (("src", src_t), ("dst", dst_t))
+                            if (ident := identity_of(t, side, follow=quantize is None)) is not None]
         if quantize is not None:
             self.resharder = Fp8Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify)
         else:
             self.resharder = Resharder(self.plan, src_t, dst_t, group, timeout=timeout, verify=verify,
                                        layouts=(self.src_layout, self.dst_layout))
+            for ident in self.identities:
+                self.resharder.watch(ident.side, ident.check)
 
     def refit(self, version: int | None = None) -> dict:
+        """Every weight once (collective).  First, on every rank, what was bound is checked: a model
+        chunk, submodule or parameter object replaced since binding (``model.decoder.layers[1].mlp =
+        new_mlp``: LoRA merged, a module re-wrapped) is followed when the new one has the same
+        parameters and buffers (names, shapes, dtypes) -- the refit reads / writes the new ones --,
+        otherwise every rank raises :class:`ReshardError` naming the module and the rank before a
+        byte moves (the FP8 path follows nothing: bind again)."""
+        if isinstance(self.resharder, Fp8Resharder):
+            refusal = [p for ident in self.identities for p in ident.check()[0]]
+            return self.resharder.refit(version, refusal=refusal or None)
         return self.resharder.refit(version)
 
     def state(self) -> dict:

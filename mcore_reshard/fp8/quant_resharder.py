@@ -31,7 +31,7 @@ from typing import Mapping
 
 import torch
 
-from ..core.executor import Resharder, ReshardError, agree, staging_size, torch_dtype
+from ..core.executor import Resharder, ReshardError, TransferError, agree, kind_problem, staging_size, torch_dtype
 from .quant_layout import DEFAULT_BLOCK, FP8_MAX
 from .quant_plan import Fp8Plan
 
@@ -72,6 +72,21 @@ class Fp8:
     memory_bytes: int | None = None
 
 
+def _kind_errors(rank: int, src: Mapping, dst: Mapping) -> list[str]:
+    """Tensors of a kind no refit moves in place (sparse, nested, a wrapper subclass...: ``kind_problem``)."""
+    return [f"rank {rank}: {what} tensor {n} is {why}" for what, tensors in (("src", src), ("dst", dst))
+            for n, t in tensors.items() if (why := kind_problem(t)) is not None]
+
+
+def _stale_sources(rank: int, quantized: Mapping[str, tuple]) -> list[str]:
+    """Source tensors the quantization reads (``quantized``: name -> (owner, bound storage)) whose
+    owner moved to other storage since bind (``param.data = new``): the quantization jobs hold views
+    of the bound storage, so such a refit is refused (bind again)."""
+    return [f"rank {rank}: src tensor {n}: param.data was rebound after binding; the FP8 refit quantizes views of "
+            "the storage bound and cannot follow it: bind again" for n, (owner, ptr) in quantized.items()
+            if owner.data_ptr() != ptr]
+
+
 def _pick(tensors: Mapping[str, torch.Tensor], plan, side: str, rank: int) -> dict:
     return {n: tensors[n] for n in plan.buffers[side].get(rank, {}) if n in tensors}
 
@@ -109,7 +124,9 @@ class Fp8Resharder:
         self.version = 0
         self.last_stats: dict = {}
         self._interrupted: dict | None = None
-        errors = []
+        errors = _kind_errors(rank, src, dst)
+        if errors:      # refused first, before anything below reads such a tensor
+            agree(group, plan.hash, errors, timeout=timeout)
         want_dst = set(plan.rest.buffers["dst"].get(rank, {}))
         for g in plan.groups:
             views = g.views.get(rank, {})
@@ -138,6 +155,7 @@ class Fp8Resharder:
         plans = [plan.rest] + [p for g in plan.groups for p in (g.assembly, g.stage_b) if p is not None]
         staging = torch.empty(max(staging_size(p, rank, verify) for p in plans), dtype=torch.uint8, device=device)
         kw = dict(timeout=timeout, verify=verify, staging=staging)
+        self._quantized: dict[str, tuple] = {}      # source tensors the quantization reads: owner, bound storage
         self.rest = Resharder(plan.rest, _pick(src, plan.rest, "src", rank), _pick(dst, plan.rest, "dst", rank), group, **kw)
         self.groups = []
         for g in plan.groups:
@@ -157,6 +175,7 @@ class Fp8Resharder:
                 if reg.owner != rank:
                     continue
                 if reg.kind == "shard":
+                    self._quantized[reg.input] = (src[reg.input], src[reg.input].data_ptr())
                     x = src[reg.input][reg.input_local.slices()].detach().reshape(reg.box.sizes)
                 else:
                     x = temp[reg.input]
@@ -173,9 +192,10 @@ class Fp8Resharder:
             b = Resharder(g.stage_b, _pick(temp, g.stage_b, "src", rank), _pick(gdst, g.stage_b, "dst", rank), group, **kw)
             self.groups.append((asm, jobs, b))
 
-    def refit(self, version: int | None = None) -> dict:
+    def refit(self, version: int | None = None, *, refusal: list[str] | None = None) -> dict:
         """Move every byte once (collective): unquantized tensors, then each group's assembly,
-        quantization and FP8 transfer.  Returns this rank's counts."""
+        quantization and FP8 transfer.  Returns this rank's counts.  ``refusal``: this rank's
+        reasons not to refit (see :meth:`Resharder.refit`): every rank refuses before a byte moves."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                     or not 0 <= version < 2 ** 63):
             raise ValueError(f"version={version!r}: must be an integer in [0, 2**63) or None")
@@ -185,8 +205,11 @@ class Fp8Resharder:
         def add(st):
             out["messages_sent"] += st.get("messages_sent", 0)
             out["staged_bytes_sent"] += st.get("staged_bytes_sent", 0)
+        refusal = list(refusal or []) + _stale_sources(self.rank, self._quantized)
+        started = False
         try:
-            add(self.rest.refit(v))
+            add(self.rest.refit(v, refusal=refusal or None))
+            started = True
             for i, (asm, jobs, b) in enumerate(self.groups):
                 if asm is not None:
                     add(asm.refit(v))
@@ -197,7 +220,8 @@ class Fp8Resharder:
                 out["quantize_s"] += time.perf_counter() - t0
                 add(b.refit(v))
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised: state() says what is half-applied
-            self._interrupted = {"version": v, "error": f"{type(e).__name__}: {e}"}
+            if started or not isinstance(e, ReshardError) or isinstance(e, TransferError):
+                self._interrupted = {"version": v, "error": f"{type(e).__name__}: {e}"}
             raise
         self._interrupted = None
         self.version = v

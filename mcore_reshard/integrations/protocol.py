@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ..core.executor import Resharder, ReshardError, all_gather_json, all_or_none, dtype_name
 from ..core.layout import Layout, LayoutError, merge_layouts
 from ..core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
+from ..util.identity import ModuleIdentity, TrackedTensors, identity_of, tracked
 
 ENGINES = ("vllm", "sglang", "hf", "megatron")
 
@@ -324,7 +325,9 @@ def live_tensors(modules: Mapping[str, torch.nn.Module]) -> tuple[dict[str, torc
     """Parameters of several modules under ``prefix + name`` (``{"": model, "mtp.": draft}``),
     detached (same storage).  A parameter whose memory is already listed under another name (a draft
     model sharing the target's embedding) is left out and returned in ``aliases`` (name -> name it
-    shares memory with): it is updated through the other name."""
+    shares memory with): it is updated through the other name.  The tensors come as a
+    :class:`~mcore_reshard.util.identity.TrackedTensors`: :func:`join_refit` then re-checks at every
+    refit that the modules still hold them (a replaced module is followed or refused)."""
     if not isinstance(modules, Mapping):
         raise TypeError(f"modules: must be a mapping of prefix -> torch.nn.Module, not {type(modules).__name__}")
     out: dict[str, torch.Tensor] = {}
@@ -344,7 +347,7 @@ def live_tensors(modules: Mapping[str, torch.nn.Module]) -> tuple[dict[str, torc
                 continue
             seen[key] = full
             out[full] = t
-    return out, aliases
+    return tracked(dict(modules), out, rank=-1), aliases
 
 
 def check_tensors(layout: Layout, rank: int, tensors: Mapping[str, torch.Tensor], *, what: str = "parameters",
@@ -411,9 +414,19 @@ def engine_destination(rank: int, spec: Mapping, tensors: Mapping[str, torch.Ten
         if errs:
             return None, {}, " | ".join(errs)
         mine = (part or full).buffers.get(rank, {})
-        return (part if part is not None else spec), {n: t for n, t in tensors.items() if n in mine}, None
+        kept = tensors.subset(mine) if isinstance(tensors, TrackedTensors) else {n: t for n, t in tensors.items() if n in mine}
+        return (part if part is not None else spec), kept, None
     except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
         return None, {}, f"rank {rank}: {type(e).__name__}: {e}"
+
+
+def engine_identity(models: Mapping[str, Any], names: Iterable[str], rank: int) -> ModuleIdentity:
+    """The modules that hold an engine's bound tensors (``names``: runtime names, ``prefix + name``
+    under ``models``: ``{prefix: module}`` or ``{prefix: (holder, attribute)}``, e.g.
+    ``(model_runner, "model")``), for a binding that cannot follow a replaced module (vLLM's
+    loader-format buffers are built per module at prepare): :meth:`ModuleIdentity.check` then names
+    every module replaced since, and the refit is refused on every rank (prepare again)."""
+    return tracked(dict(models), dict.fromkeys(names), rank=rank, follow=False, leaves=False).identity
 
 
 def timed_refit(resharder: Resharder, rank: int, version: int | None, *, refusal: list[str] | None = None) -> dict:
@@ -516,7 +529,14 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
         cast = loader_casts(src_layout, dst_layout) if allow_cast == "loader" else bool(allow_cast)
         plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=cast,
                          ignore_unused=ignore_unused)
-    return Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+    r = Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+    # tensors read from modules (megatron_source, live_tensors, read_hf_layout) carry where they live: a
+    # module or parameter replaced later is followed at the next refit, or refused on every rank
+    for side, tensors in (("src", src_tensors), ("dst", dst_tensors)):
+        ident = identity_of(tensors, side, rank=rank)
+        if ident is not None:
+            r.watch(side, ident.check)
+    return r
 
 
 FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
@@ -552,5 +572,5 @@ def megatron_source(chunks, rank: int, *, family: str = "auto", vocab_size: int 
     return canonicalize(layout, fam, config), tensors
 
 
-__all__ = ["FLOATING", "build_layout", "check_tensors", "loader_casts", "config_from_json", "config_to_json", "check_join_args", "engine_rank", "join_group", "join_refit",
+__all__ = ["FLOATING", "build_layout", "check_tensors", "engine_identity", "loader_casts", "config_from_json", "config_to_json", "check_join_args", "engine_rank", "join_group", "join_refit",
            "layout_spec", "leave_group", "live_tensors", "megatron_source", "rank_part", "spec_text"]

@@ -22,6 +22,7 @@ from .protocol import (
     build_layout,
     check_join_args,
     check_tensors,
+    engine_identity,
     engine_rank,
     join_group,
     join_refit,
@@ -81,6 +82,7 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
         self.rank = -1
         self.resharders: dict[str, Any] = {}
         self.postload: dict[str, PostLoad | None] = {}
+        self.identities: dict[str, Any] = {}
         self.written: set[str] = set()
         self.reports: list[dict] = []
 
@@ -133,6 +135,9 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
             self.resharders[key] = join_refit(self.group, dst=dst, dst_tensors=tensors, error=error,
                                               timeout=info.timeout_s, **plan_kwargs(vars(info)))
             self.postload[key] = post
+            # mcore_reshard: the modules holding what the refit writes (a module replaced later: refused)
+            self.identities[key] = engine_identity({MTP_PREFIX if draft else "": self.model if draft else
+                                                    self._default_model}, tensors, self.rank)
         return self.resharders[key]
 
     # -------------------------------------------------------------- vLLM API
@@ -146,6 +151,7 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
         self.group = join_group(init_info.init_method, int(init_info.world_size), self.rank,
                                 backend=init_info.group_backend, timeout_s=float(init_info.timeout_s))
         self.resharders, self.postload, self.written = {}, {}, set()
+        self.identities: dict[str, Any] = {}
 
     def start_weight_update(self) -> None:
         """Opens an update.  The loader-format buffers persist across refits (the plan stays
@@ -165,6 +171,7 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
         r = self._resharder(draft)
         post = self.postload.get(key)
         refusal = post.check_storage() if post is not None else []
+        refusal += self.identities[key].check()[0] if key in self.identities else []   # mcore_reshard: replaced modules
         self._report(timed_refit(r, self.rank, update_info.version, refusal=refusal))
         self.written.add(key)
 

@@ -41,6 +41,7 @@ from .hooks import run_post_refit
 from .protocol import (
     check_join_args,
     engine_destination,
+    engine_identity,
     engine_rank,
     join_group,
     join_refit,
@@ -212,7 +213,11 @@ class McoreReshardWorkerExtension:
         r = join_refit(st["group"], dst=dst if error is None else None, dst_tensors=tensors if error is None else {},
                        error=error, budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused,
                        timeout=st["timeout_s"], verify=verify)
-        st.update(resharder=r, spec=spec, mtp=mtp_on, written=sorted(tensors), postload=post)
+        roots = {"": (self.model_runner, "model")}
+        if mtp_on:
+            roots[MTP_PREFIX] = (self.model_runner.drafter, "model")
+        st.update(resharder=r, spec=spec, mtp=mtp_on, written=sorted(tensors), postload=post,
+                  identity=engine_identity(roots, tensors, rank))
         return {"rank": rank, "buffers": len(tensors), "plan_hash": r.plan.hash[:16], "rounds": r.plan.rounds,
                 "staging_bytes": r.staging_bytes, "seconds": round(time.monotonic() - t0, 3),
                 "post_load": post.report() if post is not None else None}
@@ -227,8 +232,9 @@ class McoreReshardWorkerExtension:
         r = st.get("resharder")
         if r is None:
             raise ReshardError("mcore_reshard_refit before mcore_reshard_prepare")
-        post = st.get("postload")
-        refusal = post.check_storage() if post is not None else []
+        post, ident = st.get("postload"), st.get("identity")
+        # a module the engine replaced since prepare (the model, a layer, a submodule): refused everywhere
+        refusal = (post.check_storage() if post is not None else []) + (ident.check()[0] if ident is not None else [])
         out = timed_refit(r, st["rank"], version, refusal=refusal)
         if post is not None:
             t0 = time.monotonic()

@@ -30,6 +30,7 @@ import torch
 
 from ..core.box import Box
 from ..core.layout import Buffer, Layout, LayoutError, Piece
+from ..util.identity import tracked
 
 # transformers 5.23 ``ALL_PARALLEL_STYLES``, by what a style does to the parameters it names.
 # These replace the parameter by a DTensor (Shard / _StridedShard / Replicate placements):
@@ -136,4 +137,4 @@ def read_hf_layout(model: torch.nn.Module, rank: int, skip: tuple[str, ...] = ("
                               f"but it is a plain {type(t).__name__}, not a DTensor: its box is unknown")
         lay.add_buffer(rank, Buffer(name, tuple(t.shape), dtype, (Piece(name, Box.full(t.shape), Box.full(t.shape)),)))
         tensors[name] = t
-    return lay, tensors
+    return lay, tracked({"": model}, tensors, rank=rank)     # a module / parameter replaced later is seen

@@ -24,6 +24,7 @@ import torch
 
 from ..core.box import Box
 from ..core.layout import Buffer, Layout, LayoutError, Piece
+from ..util.identity import ModuleIdentity, TrackedTensors
 
 CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                "num_moe_experts", "ffn_hidden_size", "moe_ffn_hidden_size", "mtp_num_layers",
@@ -99,7 +100,10 @@ def read_layout(chunks: Sequence[torch.nn.Module], rank: int) -> tuple[Layout, d
                 pieces.append(Piece(st.key, gbox, local))
             lay.add_buffer(rank, Buffer(prefix + local_name, tuple(base.shape), _dtype(base), tuple(pieces)))
             tensors[prefix + local_name] = named[local_name]   # the owner: a later param.data = ... is seen
-    return lay, tensors
+    # and the modules they live in: a module / parameter / chunk replaced later is seen too
+    roots = [(chunks, c, f"vpp{c}." if len(chunks) > 1 else "") for c in range(len(chunks))]
+    names = {n: n.split(".", 1)[1] if len(chunks) > 1 else n for n in tensors}
+    return lay, TrackedTensors(tensors, ModuleIdentity(roots, names, side="src", rank=rank))
 
 
 def family_for(config: dict) -> str:

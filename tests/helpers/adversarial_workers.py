@@ -250,6 +250,9 @@ def misuse(rank: int, world: int) -> dict:
     refused("meta_dst", meta("dst"))
     refused("meta_src", meta("src"))
 
+    # -- tensor kinds without plain strided storage, given on rank 1 only: refused on every rank, by name
+    res["kinds"] = _tensor_kinds(rank, src, dst, full, plan)
+
     # -- item 8: options that must agree: overlap, the environment variable, threads
     refused("overlap_differs", lambda S, D: Resharder(plan, S, D, timeout=10, overlap=(rank == 0)))
     os.environ["MCORE_RESHARD_OVERLAP"] = "0" if rank == 0 else "1"
@@ -299,6 +302,68 @@ def misuse(rank: int, world: int) -> dict:
     # -- every dtype (fp8, bool), NaN / inf / -0 payloads, 0-size and >3-D tensors
     res["dtypes"] = _all_dtypes(rank, world)
     return res
+
+
+class _Plain(torch.Tensor):
+    """A tensor subclass of no known kind (its storage is plain, but nothing proves writes land)."""
+
+
+def _kinds() -> dict:
+    """Tensor kinds a refit cannot move in place: name -> (make from a dense tensor, words its error must say)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return {
+        "sparse_coo": (lambda t: t.to_sparse(), "sparse_coo tensor"),
+        "sparse_csr": (lambda t: t.reshape(t.shape[0], -1).to_sparse_csr(), "sparse_csr tensor"),
+        "sparse_csc": (lambda t: t.reshape(t.shape[0], -1).to_sparse_csc(), "sparse_csc tensor"),
+        "sparse_bsr": (lambda t: t.reshape(t.shape[0], -1)[:2, :2].to_sparse_bsr((1, 1)), "sparse_bsr tensor"),
+        "sparse_bsc": (lambda t: t.reshape(t.shape[0], -1)[:2, :2].to_sparse_bsc((1, 1)), "sparse_bsc tensor"),
+        "parameter_sparse": (lambda t: torch.nn.Parameter(t.to_sparse(), requires_grad=False), "sparse_coo tensor"),
+        "nested": (lambda t: torch.nested.nested_tensor([t.clone(), t.clone()]), "nested tensor"),
+        "nested_jagged": (lambda t: torch.nested.nested_tensor([t.clone(), t.clone()], layout=torch.jagged),
+                          "__torch_dispatch__"),
+        "quantized": (lambda t: torch.quantize_per_tensor(t.float(), 0.5, 0, torch.qint8), "quantized qint8"),
+        "functional": (lambda t: torch._to_functional_tensor(t.clone()), "functional tensor wrapper"),
+        "fake": (lambda t: FakeTensorMode().from_tensor(t), "FakeTensor, a tensor subclass with its own __torch_dispatch__"),
+        "subclass": (lambda t: t.clone().as_subclass(_Plain), "_Plain, a tensor subclass"),
+    }
+
+
+def _tensor_kinds(rank, src, dst, full, plan) -> dict:
+    """Each kind as rank 1's first source, then as its first destination (rank 0 gives plain tensors):
+    every rank must raise ReshardError at construction, nothing moved; then a bound destination whose
+    ``param.data`` is rebound to a FakeTensor between refits (the parameter is then a meta tensor: no
+    storage): refused at the refit on every rank.  (``param.data = <functional wrapper>`` is not a
+    case: torch itself crashes on the parameter's next detach.)"""
+    import warnings
+    out = {}
+    for kind, (make, _) in _kinds().items():
+        for side in ("src", "dst"):
+            S, D = _fresh(rank, src, dst, full)
+            bd, bs = snapshot(D), digest_of(S)
+            given = {"src": dict(S), "dst": dict(D)}
+            name = sorted(given[side])[0]
+            if rank == 1:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    given[side][name] = make(given[side][name])
+            o = outcome(lambda: Resharder(plan, given["src"], given["dst"], timeout=10).refit() and None)
+            o.update(dst_untouched=same_bits(bd, D), src_untouched=digest_of(S) == bs, name=name)
+            out[f"{kind}/{side}"] = o
+            dist.barrier()
+    S, D = _fresh(rank, src, dst, full)
+    PD = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in D.items()}
+    r = Resharder(plan, S, PD, timeout=10)
+    r.refit()
+    name = sorted(PD)[0]
+    if rank == 1:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        PD[name].data = FakeTensorMode().from_tensor(torch.zeros_like(D[name]))
+    bd = snapshot({n: D[n] for n in D if n != name})
+    o = outcome(lambda: r.refit() and None)
+    o.update(dst_untouched=same_bits(bd, {n: D[n] for n in D if n != name}), src_untouched=True, name=name)
+    out["fake/followed"] = o
+    dist.barrier()
+    return out
 
 
 def _refit_version(r, v):
@@ -569,6 +634,108 @@ def fault_cases(rank: int, world: int, cases: list, T: float) -> list:
         res["recovered_version"] = rec["version"]
         res["recovered_exact"] = same_bits(want[2], D)
         res["recovered_state"] = r.state()
+        out.append(res)
+        dist.barrier()
+    return out
+
+
+def _inject(kind: str) -> None:
+    """The fault itself: a real SIGINT to this process (Python raises KeyboardInterrupt at the next
+    instruction, right here), or an exception."""
+    if kind == "sigint":
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0)              # the interpreter runs the handler before this returns
+        raise AssertionError("SIGINT was not delivered")
+    raise RuntimeError("injected fault")
+
+
+def _hook(stage: str, kind: str):
+    """``(module or class, attribute, wrapper maker)`` that injects ``kind`` at ``stage`` of a refit."""
+    import mcore_reshard.core.executor.rounds as rounds_mod
+    import mcore_reshard.core.executor.transfer as transfer_mod
+    from mcore_reshard.core.executor.resharder import Resharder as _R
+    calls = [0]
+
+    def before(orig, nth=1, when=lambda *a, **k: True):
+        def f(*a, **k):
+            if when(*a, **k):
+                calls[0] += 1
+                if calls[0] == nth:
+                    _inject(kind)
+            return orig(*a, **k)
+        return f
+
+    def after(orig, when=lambda *a, **k: True):
+        def f(*a, **k):
+            out = orig(*a, **k)
+            if when(*a, **k):
+                _inject(kind)
+            return out
+        return f
+
+    def confirm(*a, **k):
+        return (a[1] if len(a) > 1 else k.get("kind")) == 3
+
+    def last_round(self, stage, version):
+        return stage == len(self.binding.rounds) - 1
+
+    return {
+        "before_start": (_R, "follow_owners", before),                         # outside the refit's state
+        "start": (transfer_mod, "refit_start", after),                         # the start agreed everywhere
+        "local": (transfer_mod.LocalCopies, "step", before),                   # first slice of the local copies
+        "round": (rounds_mod, "unpack", lambda o: before(o, nth=3)),           # the 3rd message unpacked
+        "last_round": (transfer_mod.Refit, "stage_end", lambda o: after(o, when=last_round)),   # every round landed
+        "confirm": (transfer_mod, "exchange", lambda o: before(o, when=confirm)),              # before the confirmation
+        "after_confirm": (transfer_mod, "exchange", lambda o: after(o, when=confirm)),         # the confirmation completed
+    }[stage]
+
+
+def interrupt_retry_cases(rank: int, world: int, cases: list, T: float) -> list:
+    """Issue 37 defect 9, deterministic: ``(stage, kind, victim, path)``: every rank holds sources and
+    destinations (pp=3 -> dp=3 colocated: each rank sends, receives and copies locally, ~100 rounds);
+    refit 1 lands; new sources; refit 2 with ``kind`` ("sigint": a real SIGINT; "raise") injected on
+    ``victim`` at ``stage``; then at once, without waiting for each other (the documented recovery as a
+    user runs it), every rank retries ``refit()`` on the same group; then ``rebind(fresh group)`` and
+    ``refit()``.  Records per call its outcome and whether this rank's destinations hold exactly the
+    version each buffer claims (and, after a success, exactly the new weights)."""
+    src, dst = build_layouts("pp=3", "tp=1,dp=3", True)
+    plan = make_plan(src, dst, budget_bytes=8192)
+    out = []
+    for stage, kind, victim, path in cases:
+        g = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=T))
+        full1 = {n: reference_tensor(n, m.shape, step=1) for n, m in src.tensors.items()}
+        full2 = {n: reference_tensor(n, m.shape, step=2) for n, m in src.tensors.items()}
+        S, D = cut(src, rank, full1), cut(dst, rank, full1, fill=7)
+        want = {1: cut(dst, rank, full1, 0), 2: cut(dst, rank, full2, 0)}
+        r = Resharder(plan, S, D, g, timeout=None, overlap=None if path == "overlapped" else False)
+        r.refit()
+        for n, t in cut(src, rank, full2).items():
+            S[n].copy_(t)
+        dist.barrier()
+
+        def claims():
+            # versions >= 2 all hold the step-2 weights (the sources do not change after refit 1)
+            return all(torch.equal(want[min(v, 2)][n], D[n]) for n, v in r.state()["buffers"].items() if v is not None)
+
+        def call(fn):
+            try:
+                o = {"type": None, "result": fn()}
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt included: it is the injected fault
+                o = {"type": type(e).__name__, "error": str(e)[:600]}
+            o["claims_true"] = claims()
+            o["exact"] = same_bits(want[2], D)
+            return o
+
+        res = {"case": [stage, kind, victim, path], "rank": rank}
+        owner, name, make = _hook(stage, kind)
+        ctx = _patched(owner, name, make) if rank == victim else contextlib.nullcontext()
+        with ctx:
+            res["first"] = call(lambda: r.refit()["version"])
+        res["retry"] = call(lambda: r.refit()["version"])          # at once, on the same group
+        g2 = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=10 * T))
+        res["rebind"] = call(lambda: r.rebind(g2))
+        res["final"] = call(lambda: r.refit()["version"])
+        res["state"] = r.state()
         out.append(res)
         dist.barrier()
     return out

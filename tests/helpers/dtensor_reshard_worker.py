@@ -220,11 +220,23 @@ def refusals(rank: int, world: int) -> list:
     out.append(_attempt(lambda: mcore_reshard.reshard(src, dst, timeout=30, version=-1 if rank == 1 else None), dlocal))
     # 9. a destination mesh rank passes nothing
     out.append(_attempt(lambda: mcore_reshard.reshard(src, None if rank == 3 else dst, timeout=30), dlocal))
+    # 10. the destination read from a module once (tracked), the module's parameter object replaced since:
+    #     refused on every rank naming it (the mapping holds a tensor the model no longer computes with)
+    from mcore_reshard.util.identity import tracked
+    holder = torch.nn.Module()
+    if dst is not None:
+        holder.w = torch.nn.Parameter(dst, requires_grad=False)
+    mapping = tracked({"": holder}, {"w": holder.w} if dst is not None else {}, rank=rank)
+    out.append(_attempt(lambda: mcore_reshard.reshard({"w": src} if src is not None else {}, mapping, timeout=30), dlocal))
+    if rank == 3:
+        holder.w = torch.nn.Parameter(DTensor.from_local(dlocal.clone(), ddm, [Shard(1)], run_check=False),
+                                      requires_grad=False)
+    out.append(_attempt(lambda: mcore_reshard.reshard({"w": src} if src is not None else {}, mapping, timeout=30), dlocal))
     # after all refusals the same call works
     res = mcore_reshard.reshard(src, dst, timeout=30)
     works = dlocal is None or torch.equal(dlocal, torch_local(full, [2], coord_of(rank, [2], [2, 3]), [Shard(1)]))
     out.append({"works": works, "network": res.plan.stats["network_bytes"]})
-    # 10. rank 3 skips the call: the others raise within the timeout (last: the group is broken after it)
+    # 11. rank 3 skips the call: the others raise within the timeout (last: the group is broken after it)
     t0 = time.monotonic()
     if rank == 3:
         time.sleep(12)

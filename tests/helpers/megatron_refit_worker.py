@@ -92,6 +92,72 @@ def perturb_replicated(chunks, step: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
 
 
+def clone_module(module: torch.nn.Module, add: float | None = None) -> torch.nn.Module:
+    """A new module object like ``module`` (what a LoRA merge or a re-wrap puts in its place): a deep
+    copy sharing the process groups, every parameter ``+ add`` (``None``: zeros)."""
+    import copy
+    copy._deepcopy_dispatch[dist.ProcessGroup] = lambda pg, memo: pg     # groups are shared, not copied
+    new = copy.deepcopy(module)
+    with torch.no_grad():
+        for (_, old), (_, p) in zip(module.named_parameters(), new.named_parameters()):
+            p.__dict__.update(old.__dict__)      # Megatron's tensor_model_parallel, partition_dim, allreduce
+            p.copy_(p + add) if add is not None else p.zero_()
+    return new
+
+
+def swapped(name: str, full: torch.Tensor, buffers: set) -> torch.Tensor:
+    """The full tensor ``name`` of the source after :func:`swap_scenario`'s replacements (PP=1: local
+    layer numbers are global)."""
+    if name.startswith("decoder.layers.1.mlp.") and name not in buffers:
+        return full + 0.5
+    if name == "decoder.layers.0.mlp.linear_fc2.weight":
+        return full - 0.25
+    return full
+
+
+def swap_scenario(src, dst, refit, is_src: bool, is_dst: bool) -> dict:
+    """After refit 1, modules are replaced on both sides: the source's ``decoder.layers[1].mlp`` by
+    one with new values (LoRA merged into a new module), its layer-0 ``linear_fc2.weight`` by a new
+    parameter object, the destination's ``decoder.layers[1].mlp`` by a zeroed copy (an engine that
+    swapped a layer); refit 2 must follow them all (bit-exact into the new destination module, the
+    old one untouched).  Then the source's ``decoder.layers[2].self_attention.linear_proj`` gets a
+    module with an extra (LoRA) parameter: refit 3 is refused on every rank naming it, nothing moves."""
+    out = {}
+    t0 = time.perf_counter()       # what every refit adds when nothing changed: one walk per side
+    for ident in refit.identities:
+        assert ident.check() == ([], {})
+    out["check_s"] = time.perf_counter() - t0
+    old_dst_mlp = [c.decoder.layers[1].mlp for c in dst] if is_dst else []
+    old_bytes = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in old_dst_mlp]
+    if is_src:
+        for c in src:
+            c.decoder.layers[1].mlp = clone_module(c.decoder.layers[1].mlp, add=0.5)
+            fc2 = c.decoder.layers[0].mlp.linear_fc2
+            new_w = torch.nn.Parameter(fc2.weight.detach() - 0.25, requires_grad=fc2.weight.requires_grad)
+            new_w.__dict__.update(fc2.weight.__dict__)
+            fc2.weight = new_w
+    if is_dst:
+        for c in dst:
+            c.decoder.layers[1].mlp = clone_module(c.decoder.layers[1].mlp)
+    out["second"] = refit.refit()["version"]
+    out["old_dst_untouched"] = all(torch.equal(b[n], p) for m, b in zip(old_dst_mlp, old_bytes) for n, p in m.named_parameters())
+    before = {n: p.detach().clone() for c in dst for n, p in c.named_parameters()} if is_dst else {}
+    if is_src:
+        lp = src[0].decoder.layers[2].self_attention.linear_proj
+        lora = clone_module(lp, add=0.0)
+        lora.lora_A = torch.nn.Parameter(torch.zeros(4, lp.weight.shape[1]))
+        src[0].decoder.layers[2].self_attention.linear_proj = lora
+    try:
+        refit.refit()
+        out["lora"] = {"type": None, "error": None}
+    except Exception as e:  # noqa: BLE001 - the test judges the type
+        out["lora"] = {"type": type(e).__name__, "error": str(e)[:3000]}
+    out["lora_untouched"] = all(torch.equal(before[n], p) for c in dst for n, p in c.named_parameters())
+    if is_src:
+        src[0].decoder.layers[2].self_attention.linear_proj = lp      # put back: the digests below are refit 2's
+    return out
+
+
 def _build(kind: str, sizes: dict, dtype: torch.dtype, kw: dict, order: str = "tp-cp-ep-dp-pp"):
     from megatron.core import parallel_state as ps
     if ps.model_parallel_is_initialized():
@@ -123,10 +189,11 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
         perturb_replicated(src)
         # the local DotProductAttention has no context-parallel forward: no logits with CP > 1
         # (nor after param.data is rebound: the CPU model's forward keeps views of the old storage)
-        with_logits = case["src"].get("cp", 1) == 1 and case["dst"].get("cp", 1) == 1 and not case.get("rebind")
+        with_logits = (case["src"].get("cp", 1) == 1 and case["dst"].get("cp", 1) == 1 and not case.get("rebind")
+                       and not case.get("swap"))
         src_logits = mcore_cpu.forward_logits(src, tokens) if with_logits else None
         src_ref = reference_digests(src)
-        if case.get("rebind"):    # under the source's parallel state (building dst replaces it)
+        if case.get("rebind") or case.get("swap"):    # under the source's parallel state (building dst replaces it)
             from megatron.core import parallel_state as ps
             src_full = reference_full(src)
             src_buffers = {_global_name(c, n, ps.get_expert_model_parallel_rank()) for c in src
@@ -153,6 +220,10 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
             src_ref = {n: [list(t.shape), str(t.dtype), _digest(t if n in src_buffers else t + 0.25)]
                        for n, t in src_full.items()}
             sent = refit.refit()
+        swap = None
+        if case.get("swap"):
+            swap = swap_scenario(src, dst, refit, is_src, is_dst)
+            src_ref = {n: [list(t.shape), str(t.dtype), _digest(swapped(n, t, src_buffers))] for n, t in src_full.items()}
         dst_ref = reference_digests(dst)
         dst_logits = mcore_cpu.forward_logits(dst, tokens) if with_logits else None
         stats = refit.plan.stats
@@ -163,7 +234,7 @@ def refit_scenarios(rank: int, world: int, cases: list) -> list:
             "same_storage": all(p.data_ptr() == ptrs[n] for c in dst for n, p in c.named_parameters()),
             "network_bytes": stats["network_bytes"], "lower_bound_bytes": stats["lower_bound_bytes"], "local_bytes": stats["local_bytes"],
             "messages_sent": sent["messages_sent"], "plan_messages_from_me": sum(1 for m in refit.plan.messages if m.src == rank),
-            "tensors": len(refit.plan.tensors), "setup_s": setup_s, "refit_s": refit_s,
+            "tensors": len(refit.plan.tensors), "setup_s": setup_s, "refit_s": refit_s, "swap": swap,
         })
         mcore_cpu.destroy_megatron()
         dist.barrier()

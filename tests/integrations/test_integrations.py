@@ -163,11 +163,13 @@ def ptrs(model) -> dict:
 
 # ----------------------------------------------------------------------------------- the launch
 
-def _trainer(g, src, tensors, expect_error: bool = False, steps=(), **kw) -> dict:
+def _trainer(g, src, tensors, expect_error: bool = False, steps=(), keep: dict | None = None, **kw) -> dict:
     try:
         r = join_refit(g, src=src, src_tensors=tensors, timeout=60, **kw)
     except ReshardError as e:
         return {"error": str(e), "expected": expect_error}
+    if keep is not None:
+        keep["resharder"] = r
     for step, full in steps:
         # the trainer's weights change in place between refits (an optimizer step)
         new = materialize(build_layout(src) if isinstance(src, dict) else src, dist_rank(g), full)
@@ -175,6 +177,14 @@ def _trainer(g, src, tensors, expect_error: bool = False, steps=(), **kw) -> dic
             t.copy_(new[n])
         r.refit(step)
     return {"error": None, "rounds": r.plan.rounds, "messages": len(r.plan.messages)}
+
+
+def outcome(fn) -> dict:
+    """``{"type", "error", "value"}`` of ``fn()`` (type None: it returned)."""
+    try:
+        return {"type": None, "error": None, "value": fn()}
+    except Exception as e:  # noqa: BLE001 - the test judges the type
+        return {"type": type(e).__name__, "error": str(e), "value": None}
 
 
 def dist_rank(g) -> int:
@@ -201,7 +211,8 @@ def scenarios(rank: int, world: int, tmp: str) -> dict:
     if trainer:
         src = hf_layout(CFG, rank=tr, dtype=DT)
         S = materialize(src, tr, full[1])
-        out["vllm_hf"] = _trainer(g, src, S, steps=[(1, full[1]), (2, full[2])], **opts)
+        kept: dict = {}
+        out["vllm_hf"] = _trainer(g, src, S, steps=[(1, full[1]), (2, full[2])], keep=kept, **opts)
     else:
         gr = OFFSET + rank
         before = ptrs(model)
@@ -220,6 +231,37 @@ def scenarios(rank: int, world: int, tmp: str) -> dict:
         res["resets"] = len(w.model_runner.resets)
         res["state"] = w.mcore_reshard_state()["version"]
         out["vllm_hf"] = res
+
+    # 1b. worker 1 calls prepare (join_refit) a second time while every other rank refits: refused on
+    #     every rank (the library's error), nothing moves, the worker lives, and the next refit lands
+    if trainer:
+        r = kept["resharder"]
+        for n, t in materialize(src, tr, full[1]).items():    # new weights: what refit 3 must land
+            S[n].copy_(t)
+        out["rejoin"] = {"first": outcome(lambda: r.refit(3) and None), "second": outcome(lambda: r.refit(3)["version"])}
+    else:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        first = outcome(lambda: (w.mcore_reshard_prepare(**opts) if rank == 1 else w.mcore_reshard_refit(3)) and None)
+        untouched = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        second = outcome(lambda: w.mcore_reshard_refit(3)["version"])
+        out["rejoin"] = {"first": first, "second": second, "untouched": untouched,
+                         "bad": compare(model, materialize(lay1, OFFSET + rank, full[1]))}
+
+    # 1c. worker 0 replaces a module of its engine (model.norm) after prepare: vLLM's binding cannot
+    #     follow it (its loader-format buffers are per module), so refit 4 is refused on every rank naming
+    #     it, nothing moves; with the module put back, refit 4 lands
+    if trainer:
+        out["vllm_swap"] = {"first": outcome(lambda: r.refit(4) and None), "second": outcome(lambda: r.refit(4)["version"])}
+    else:
+        import copy
+        norm = model.model.norm
+        if rank == 0:
+            model.model.norm = copy.deepcopy(norm)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        first = outcome(lambda: w.mcore_reshard_refit(4) and None)
+        untouched = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        model.model.norm = norm
+        out["vllm_swap"] = {"first": first, "untouched": untouched, "second": outcome(lambda: w.mcore_reshard_refit(4)["version"])}
 
     # 2. vLLM tp=2 with expert parallelism, from a Megatron tp=2 ep=2 source given as a spec
     msrc = layout_spec("megatron", CFG, sizes={"tp": 2, "ep": 2, "etp": 1}, dtype=DT)
@@ -256,8 +298,8 @@ def scenarios(rank: int, world: int, tmp: str) -> dict:
     layout_kw = {"tp": 2, "dp": 2, "enable_dp_attention": True}
     if trainer:
         g2 = join_group(f"file://{tmp}/sglang", 4, tr, timeout_s=60)
-        out["sglang"] = _trainer(g2, msrc, materialize(build_layout(msrc), tr, full[1]),
-                                 steps=[(1, full[1]), (2, full[2])], **opts)
+        S2, kept2 = materialize(build_layout(msrc), tr, full[1]), {}
+        out["sglang"] = _trainer(g2, msrc, S2, steps=[(1, full[1]), (2, full[2])], keep=kept2, **opts)
     else:
         sm = FakeDeepseekV3ForCausalLM(sg, OFFSET + rank, fused=True)
         before = ptrs(sm)
@@ -272,11 +314,32 @@ def scenarios(rank: int, world: int, tmp: str) -> dict:
                               torch.equal(a.w_vc, sglang_absorb_ref(a.kv_b_proj.weight.detach())[1]) for a in attn)
             res["refits"].append({"bad": compare(sm, materialize(sg, OFFSET + rank, full[step])),
                                   "absorbed_ok": absorbed_ok})
-        res["post_load_calls"] = sm.post_load_calls
+        res["post_load_calls"] = list(sm.post_load_calls)
         res["ptrs_same"] = before == ptrs(sm) and kc_ptr == sm.get_submodule("model.layers.1.self_attn").w_kc.data_ptr()
         res["last_error"] = session().last_error
         res["hooks"] = [h["hook"] for h in session().reports[-1]["hooks"]]
         out["sglang"] = res
+
+    # 4b. worker 1 replaces a module of its SGLang model (model.norm, a zeroed copy) after two refits;
+    #     the trainer loads step 1's weights again: refit 3 follows the new module (SGLang writes its
+    #     parameters in place, so the binding can move to the new ones), the old module keeps its bytes
+    if trainer:
+        for n, t in materialize(build_layout(msrc), tr, full[1]).items():
+            S2[n].copy_(t)
+        out["sglang_swap"] = {"refit": outcome(lambda: kept2["resharder"].refit(3)["version"])}
+    else:
+        import copy
+        old_norm = sm.model.norm
+        kept = {n: p.detach().clone() for n, p in old_norm.named_parameters()}
+        if rank == 1:
+            sm.model.norm = copy.deepcopy(old_norm).requires_grad_(False)
+            with torch.no_grad():
+                for p in sm.model.norm.parameters():
+                    p.zero_()
+        ref = outcome(lambda: load(sm, [command("refit", version=3)]))
+        out["sglang_swap"] = {"refit": ref, "bad": compare(sm, materialize(sg, OFFSET + rank, full[1])),
+                              "old_kept": all(torch.equal(kept[n], p) for n, p in old_norm.named_parameters()),
+                              "swapped": sm.model.norm is not old_norm}
 
     # 5. SGLang worker whose model is not what the layout says (fusion claimed, 8 expert slots held)
     if trainer:
@@ -317,6 +380,41 @@ def test_vllm_refit_from_hf_source_bit_exact_in_place(runs):
             assert cache["done"] and cache["owner"] == "FakeRunner"
         assert [s["version"] for s in res["refits"]] == [1, 2] and res["state"] == 2
         assert res["ptrs_same"] and res["resets"] == 2
+
+
+@pytest.mark.multiproc
+def test_second_join_refused_on_every_rank_worker_lives(runs):
+    """A worker calling prepare (join_refit) again while its peers refit: gloo used to abort the worker's
+    process on the mismatched collective sizes (its peers then got TransferError).  Now every rank
+    raises ReshardError naming the steps, nothing moves, and the next refit lands bit-exact."""
+    for k, r in enumerate(runs):
+        o = r["rejoin"]
+        assert o["first"]["type"] == "ReshardError", (k, o["first"])
+        assert "different protocol steps" in o["first"]["error"] and "metadata exchange" in o["first"]["error"], o
+        assert "ranks [3] in metadata exchange" in o["first"]["error"], o["first"]["error"]
+        assert o["second"] == {"type": None, "error": None, "value": 3}, (k, o["second"])
+    for r in runs[:2]:
+        assert r["rejoin"]["untouched"] and r["rejoin"]["bad"] == [], r["rejoin"]
+
+
+@pytest.mark.multiproc
+def test_engine_module_replaced_after_prepare(runs):
+    """vLLM (loader-format buffers bound per module: cannot follow): a module the engine replaced after
+    prepare makes every rank refuse the refit naming it and the rank, nothing moves; put back, the
+    refit lands.  SGLang (parameters written in place): the binding follows the new module."""
+    for k, r in enumerate(runs):
+        o = r["vllm_swap"]
+        assert o["first"]["type"] == "ReshardError", (k, o)
+        assert "rank 2: dst module model: model.norm (Module) was replaced after binding" in o["first"]["error"], o
+        assert o["second"]["type"] is None and o["second"]["value"] == 4, (k, o)
+    assert all(r["vllm_swap"]["untouched"] for r in runs[:2])
+    for k, r in enumerate(runs):
+        o = r["sglang_swap"]
+        assert o["refit"]["type"] is None, (k, o)
+    for r in runs[:2]:
+        assert r["sglang_swap"]["bad"] == [], r["sglang_swap"]       # step 1's weights, in the new module on rank 1
+    assert runs[1]["sglang_swap"]["swapped"] and runs[1]["sglang_swap"]["old_kept"]   # the old one not written
+    assert not runs[0]["sglang_swap"]["swapped"]
 
 
 @pytest.mark.multiproc
@@ -372,13 +470,60 @@ def megatron_part(rank: int, world: int) -> dict:
     same = sorted(a) == sorted(b) and all(
         (a[n].shape, a[n].dtype, sorted(a[n].pieces, key=str)) == (b[n].shape, b[n].dtype, sorted(b[n].pieces, key=str))
         for n in a)
-    return {"buffers": len(a), "same": same, "tensors": sorted(tensors) == sorted(a)}
+    out = {"buffers": len(a), "same": same, "tensors": sorted(tensors) == sorted(a)}
+    out["swap"] = megatron_source_swap(mcore_cpu, megatron_source)
+    return out
+
+
+def megatron_source_swap(mcore_cpu, megatron_source) -> dict:
+    """join_refit of two live Megatron models read by megatron_source (one rank: every copy local);
+    then modules replaced on both sides (the source's layer-1 MoE by one with new values, the
+    destination's by zeros): the next refit follows both; a source module with an extra (LoRA)
+    parameter is refused, nothing moves."""
+    import torch.distributed as dist
+    from megatron_refit_worker import clone_module
+    src, dst = mcore_cpu.build_dsv3_tiny(mtp=True), mcore_cpu.build_dsv3_tiny(mtp=True)
+    with torch.no_grad():
+        for p in src[0].parameters():
+            p.add_(1.0)
+    g = dist.new_group([0])
+    sp, st = megatron_source(src, 0)
+    dp, dt = megatron_source(dst, 0)
+    r = join_refit(g, src=sp, src_tensors=st, dst=dp, dst_tensors=dt, timeout=60)
+    r.refit()
+
+    def same() -> list:
+        want = dict(src[0].named_parameters())
+        return sorted(n for n, p in dst[0].named_parameters() if not torch.equal(p, want[n]))
+    out = {"first": same()}
+    old_dst = dst[0].decoder.layers[1].mlp
+    kept = {n: p.detach().clone() for n, p in old_dst.named_parameters()}
+    src[0].decoder.layers[1].mlp = clone_module(src[0].decoder.layers[1].mlp, add=0.5)
+    dst[0].decoder.layers[1].mlp = clone_module(old_dst)
+    r.refit()
+    out["followed"] = same()
+    out["old_dst_kept"] = all(torch.equal(p, kept[n]) for n, p in old_dst.named_parameters())
+    lp = src[0].decoder.layers[2].self_attention.linear_proj
+    lora = clone_module(lp, add=0.0)
+    lora.lora_A = torch.nn.Parameter(torch.zeros(4, lp.weight.shape[1]))
+    src[0].decoder.layers[2].self_attention.linear_proj = lora
+    before = {n: p.detach().clone() for n, p in dst[0].named_parameters()}
+    out["lora"] = outcome(lambda: r.refit() and None)
+    out["lora_untouched"] = all(torch.equal(before[n], p) for n, p in dst[0].named_parameters())
+    return out
 
 
 @pytest.mark.megatron
 @pytest.mark.multiproc
 def test_megatron_source_matches_megatron_spec():
-    assert spawn(megatron_part, 1, timeout=300) == [{"buffers": 134, "same": True, "tensors": True}]
+    out = spawn(megatron_part, 1, timeout=300)[0]
+    swap = out.pop("swap")
+    assert out == {"buffers": 134, "same": True, "tensors": True}
+    # join_refit of tensors read by megatron_source follows replaced modules on both sides, refuses a LoRA one
+    assert swap["first"] == [] and swap["followed"] == [] and swap["old_dst_kept"], swap
+    assert swap["lora"]["type"] == "ReshardError", swap["lora"]
+    assert "rank 0: src module [0]: decoder.layers.2.self_attention.linear_proj" in swap["lora"]["error"], swap["lora"]
+    assert "lora_A" in swap["lora"]["error"] and swap["lora_untouched"], swap
 
 
 # ----------------------------------------------------------------------------------- single-process tests

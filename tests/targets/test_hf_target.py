@@ -17,7 +17,9 @@ KW = {"mtp": True, "topk": 4}   # topk / group_topk = 2: the group scoring both 
 
 
 @pytest.mark.parametrize("world,case", [
-    (4, {"src": {"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "kw": KW}),
+    # swap: after the first refit the HF model replaces layer 1's attention module (zeroed copy); the
+    # second refit must follow it (read_hf_layout's tensors carry their modules: MegatronRefit re-checks them)
+    (4, {"src": {"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "kw": KW, "swap": True}),
     (8, {"src": {"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "kw": KW, "disaggregated": True}),
 ], ids=["colocated TP2 PP2 EP2 -> HF on rank 0", "disaggregated TP2 PP2 EP2 (ranks 0-3) -> HF on rank 4"])
 def test_megatron_to_transformers(world, case):

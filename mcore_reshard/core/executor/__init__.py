@@ -57,7 +57,9 @@ from .checksum import digest_of
 from .common import dtype_name, torch_dtype
 from .errors import ReshardError, TransferError
 from .handshake import GatherChecked, agree, all_gather_json, all_or_none
+from .owners import kind_problem
 from .resharder import Resharder
 
 __all__ = ["GatherChecked", "Resharder", "ReshardError", "TransferError", "agree", "all_gather_json", "all_or_none", "digest_of", "dtype_name",
+           "kind_problem",
            "staging_size", "torch_dtype"]

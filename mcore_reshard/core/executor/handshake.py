@@ -29,6 +29,11 @@ class Step(enum.IntEnum):
     RETRY_HANDSHAKE = 2    # agree(kind=RETRY_HANDSHAKE): every rank retries the same version
     CONFIRMATION = 3       # the end of every refit: every rank landed every byte
     REFIT_START = 4        # the start of every refit, before any byte moves
+    # the opening of a metadata exchange (all_gather_json; ``version``: its payload's size): every
+    # collective step of the library begins with a message of this one size, so a rank at another
+    # step (a worker calling join_refit again while its peers refit) is refused on every rank
+    # instead of gloo aborting the process on a size mismatch
+    METADATA_EXCHANGE = 5
     REUSE_CHECK = 6        # dtensor_reshard: every rank found the same cached binding
 
     @property
@@ -47,7 +52,8 @@ def step_label(kind: int) -> str:
 
 _C_KIND, _C_OK, _C_FLAGS, _C_VER, _C_TOKEN, _C_DIGEST, _C_OPT = 0, 1, 2, 3, 11, 19, 51
 _C_TEXT = _C_OPT + _OPT_BYTES
-_C_SIZE = _C_TEXT + _MSG_BYTES
+_C_SEQ = _C_TEXT + _MSG_BYTES     # the sender's check-in count on the group (see checkin)
+_C_SIZE = _C_SEQ + 8
 
 
 def _put(payload: torch.Tensor, at: int, data: bytes, limit: int) -> None:
@@ -60,8 +66,11 @@ def exchange(group, kind: Step, *, digest: str = "", version: int = 0, ok: bool 
              text: str = "", timeout: float | None = None, token: int = 0, flags: int = 0) -> list[dict]:
     """All-gather one fixed-size control message per rank (tensors, never pickle): kind (a :class:`Step`), ok,
     ``flags`` (a byte), refit ``version``, ``token`` (64-bit binding id), plan ``digest``,
-    ``options`` and error ``text``; returns them as dicts in rank order."""
+    ``options`` and error ``text``; returns them as dicts in rank order.  Each also carries the
+    sender's check-in count on the group (``seq``); every rank continues from the highest (a rank
+    that checked in for a step the others were not at stays in step with them afterwards)."""
     world = dist.get_world_size(group)
+    name = _group_name(group)
     payload = torch.zeros(_C_SIZE, dtype=torch.uint8)
     payload[_C_KIND] = kind
     payload[_C_OK] = 1 if ok else 0
@@ -71,6 +80,7 @@ def exchange(group, kind: Step, *, digest: str = "", version: int = 0, ok: bool 
     _put(payload, _C_DIGEST, bytes.fromhex(digest) if digest else b"", 32)
     _put(payload, _C_OPT, options.encode(), _OPT_BYTES)
     _put(payload, _C_TEXT, text.encode(), _MSG_BYTES)
+    _put(payload, _C_SEQ, _SEQ.get(name, 0).to_bytes(8, "little", signed=False), 8)
     payload = payload.to(group_device(group))
     gathered = [torch.empty_like(payload) for _ in range(world)]
     bounded_wait(dist.all_gather(gathered, payload, group=group, async_op=True), timeout, group)
@@ -82,12 +92,23 @@ def exchange(group, kind: Step, *, digest: str = "", version: int = 0, ok: bool 
                     "token": int.from_bytes(b[_C_TOKEN:_C_TOKEN + 8], "little", signed=False),
                     "digest": b[_C_DIGEST:_C_DIGEST + 32].hex(),
                     "options": b[_C_OPT:_C_TEXT].rstrip(b"\0").decode(errors="replace"),
-                    "text": b[_C_TEXT:].rstrip(b"\0").decode(errors="replace")})
+                    "text": b[_C_TEXT:_C_SEQ].rstrip(b"\0").decode(errors="replace"),
+                    "seq": int.from_bytes(b[_C_SEQ:_C_SEQ + 8], "little", signed=False)})
+    if name is not None:
+        _SEQ[name] = max(m["seq"] for m in out)
     return out
 
 
 _F_SETTLE = 4       # handshake message flag: the sender settles the outcome through the store (_settle)
-_SEQ: dict[str, int] = {}
+_SEQ: dict[str, int] = {}   # check-ins per process group name (checkin; kept in step by exchange)
+
+
+def _group_name(group) -> str | None:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+        return c10d._get_process_group_name(group if group is not None else dist.group.WORLD)
+    except Exception:  # noqa: BLE001 - not a real group (tests)
+        return None
 
 
 def checkin(group) -> tuple | None:
@@ -131,7 +152,8 @@ def step_mismatch(msgs: list[dict], kind: Step) -> str | None:
         return None
     by: dict[str, list[int]] = {}
     for r, m in enumerate(msgs):
-        by.setdefault(f"{step_label(m['kind'])} (refit {m['version']})", []).append(r)
+        refit = m["kind"] in (Step.RETRY_HANDSHAKE, Step.CONFIRMATION, Step.REFIT_START)
+        by.setdefault(step_label(m["kind"]) + (f" (refit {m['version']})" if refit else ""), []).append(r)
     return "ranks are at different protocol steps: " + "; ".join(f"ranks {rs} in {k}" for k, rs in sorted(by.items()))
 
 
@@ -196,6 +218,8 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
     # every rank settles only when every rank's message says it does (same step, same kind of caller);
     # otherwise every rank sees the mismatch in the messages and raises below
     if settle and all(m["kind"] == kind and m["flags"] & _F_SETTLE for m in msgs):
+        if ticket is not None:      # the verdict key every rank agrees on: the highest check-in count
+            ticket = (ticket[0], max(m["seq"] for m in msgs), ticket[2])
         elsewhere = _settle(ticket, rank, True, timeout, group)
         if elsewhere:
             raise ReshardError(f"reshard {step_label(kind)} failed on rank {rank}: its exchange completed here but not on "
@@ -238,11 +262,19 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     rank = dist.get_rank(group)
     t0 = time.monotonic()
     ticket = checkin(group)
+    try:     # the sizes, as control messages (Step.METADATA_EXCHANGE): a rank at another step is seen, not mismatched
+        opening = exchange(group, Step.METADATA_EXCHANGE, version=len(data), timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a peer that died or never joined
+        raise ReshardError(f"metadata exchange (all_gather_json) failed on rank {rank} after "
+                           f"{time.monotonic() - t0:.1f} s: {_who(ticket)}; cause: {type(e).__name__}: {str(e)[:300]}") from e
+    step = step_mismatch(opening, Step.METADATA_EXCHANGE)
+    if step:
+        raise ReshardError(f"metadata exchange (all_gather_json) refused on rank {rank}: {step} (a rank called a "
+                           "collective of the library the others are not in, e.g. join_refit again while they refit); "
+                           "nothing was exchanged")
+    sizes = [m["version"] for m in opening]
     try:
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        sizes = [torch.empty_like(size) for _ in range(world)]
-        bounded_wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout, group)
-        longest = max(int(s) for s in sizes)
+        longest = max(sizes)
         buf = torch.zeros(longest, dtype=torch.uint8)
         if data:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -252,7 +284,7 @@ def all_gather_json(obj, group=None, timeout: float | None = None) -> list:
     except Exception as e:  # noqa: BLE001 - a peer that died or never joined
         raise ReshardError(f"metadata exchange (all_gather_json) failed on rank {rank} after "
                            f"{time.monotonic() - t0:.1f} s: {_who(ticket)}; cause: {type(e).__name__}: {str(e)[:300]}") from e
-    return [json.loads(bytes(o[:int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
+    return [json.loads(bytes(o[:n].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
 
 
 _F_EXPLICIT, _F_DIRTY = 1, 2
@@ -355,13 +387,16 @@ def group_guard(group, rank: int, what: str):
     pg = group if group is not None else dist.group.WORLD
     with _LOCKS_GUARD:
         lock, holder = _LOCKS.setdefault(id(pg), (threading.Lock(), [None]))
-    if not lock.acquire(blocking=False):
-        raise ReshardError(f"rank {rank}: cannot {what}: thread {holder[0]!r} is running a refit or handshake over "
-                           "the same process group in this process; Resharders sharing a group must run one after "
-                           "another (use one thread, or a group per thread)")
-    holder[0] = threading.current_thread().name
-    try:
+    acquired = False
+    try:     # a KeyboardInterrupt anywhere in here still releases the lock (else the group is refused forever)
+        acquired = lock.acquire(blocking=False)
+        if not acquired:
+            raise ReshardError(f"rank {rank}: cannot {what}: thread {holder[0]!r} is running a refit or handshake "
+                               "over the same process group in this process; Resharders sharing a group must run one "
+                               "after another (use one thread, or a group per thread)")
+        holder[0] = threading.current_thread().name
         yield
     finally:
-        holder[0] = None
-        lock.release()
+        if acquired:
+            lock.release()
+            holder[0] = None

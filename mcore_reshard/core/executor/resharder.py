@@ -15,7 +15,7 @@ from .binding import Binding, bind
 from .common import check_timeout, group_device
 from .errors import ReshardError
 from .handshake import agree, group_guard
-from .owners import Owners, describe, is_dtensor, record, storage_of
+from .owners import Owners, describe, is_dtensor, kind_problem, record, shape_text, storage_of
 from .preflight import check_aliasing, check_arguments, check_binding, member_rank, own_part
 from .transfer import Channel, LocalCopies, Refit
 from .transport import Transport, transport_for
@@ -74,12 +74,18 @@ class Resharder:
             raise ValueError(f"overlap={overlap!r} (None, True or False), verify={verify!r}, confirm={confirm!r} (True or False)")
         self._shared_staging = staging
         self._layouts = layouts
+        self._watchers: list = []
         self.overlap = overlap
         self.plan = plan
         self.rank = member_rank(group, "bind a Resharder")
         self.verify = bool(verify)
         self.confirm = bool(confirm)
         channel = Channel.of(group, dist.get_world_size(group), self._timeout_arg)
+        # a tensor a refit cannot move in place (sparse, nested, quantized, a wrapper subclass...) is
+        # refused on every rank in the handshake below; nothing else touches it (no storage to read)
+        refused = self._kind_errors(src, dst, staging)
+        if refused:
+            src, dst = {}, {}
         # detached views share the caller's storage: refits copy_ into them without autograd
         # (nn.Parameter sources / destinations stay leaves, requires_grad and all); a DTensor is
         # bound through its local shard.  The owners (the objects given) are kept: every refit
@@ -93,7 +99,7 @@ class Resharder:
         # a templated plan is bound through this rank's own part, made from its templates alone (no
         # other rank's copies are ever made here); its hash, what the handshake compares, is the whole plan's
         self._part, errors = own_part(plan, self.rank)
-        errors += self._intake_errors(src, dst, staging, src_views, dst_views)
+        errors += refused or self._intake_errors(src, dst, staging, src_views, dst_views)
         dst_names = [] if errors else list(self._part.buffers["dst"].get(self.rank, {}))
         # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
         # every refit's start and confirmation carry it; the bound plan is not to be changed
@@ -186,6 +192,18 @@ class Resharder:
     def _options(self) -> str:
         return f"verify={int(self.verify)},confirm={int(self.confirm)},overlap={int(self.overlapped())}"
 
+    def _kind_errors(self, src, dst, staging) -> list[str]:
+        """Every given tensor of a kind a refit cannot move in place (:func:`~.owners.kind_problem`),
+        named with its side, shape, dtype and why."""
+        errors = []
+        for side, given in (("src", src), ("dst", dst), ("staging", {"buffer": staging})):
+            for n, t in dict(given).items():
+                why = kind_problem(t) if isinstance(t, torch.Tensor) else None
+                if why is not None:
+                    errors.append(f"rank {self.rank}: {side} {'tensor ' + n if side != 'staging' else 'buffer'} "
+                                  f"{shape_text(t)} is {why}")
+        return errors if len(errors) <= 8 else errors[:8] + [f"rank {self.rank}: and {len(errors) - 8} more such tensors"]
+
     def _intake_errors(self, src, dst, staging, src_views, dst_views) -> list[str]:
         """Tensors a refit could not use as given: an inference tensor to write (torch refuses an
         in-place write to it outside ``inference_mode``), a DTensor whose local shard is not the
@@ -232,12 +250,35 @@ class Resharder:
         ``verify``): the most this rank stages to send plus receive in any one round."""
         return self.staging.numel()
 
+    def watch(self, side: str, check) -> None:
+        """Run ``check()`` at the start of every refit, before the owners check, for the bound tensors of
+        ``side`` ("src" / "dst"): it returns ``(problems, replaced)`` -- this rank's reasons to refuse
+        (every rank then refuses before a byte moves) and ``{buffer name: tensor}``, the objects that
+        now own bound buffers (a module or parameter replaced in the model they came from, e.g.
+        :meth:`mcore_reshard.util.identity.ModuleIdentity.check`).  A replaced owner is then followed
+        or refused exactly as a rebound ``param.data`` (see the class docstring)."""
+        if side not in ("src", "dst") or not callable(check):
+            raise ValueError(f"watch(side={side!r}, check={check!r}): side is 'src' or 'dst', check a callable")
+        self._watchers.append((side, check))
+
+    def _watched(self) -> list[str]:
+        problems = []
+        for side, check in self._watchers:
+            found, replaced = check()
+            problems += found
+            for name, owner in replaced.items():
+                self._owners.replace(side, name, owner)
+        return problems
+
     def follow_owners(self) -> list[str]:
-        """Local, before a refit's start exchange: every owner whose storage changed since bind
-        (``param.data = new``) is followed when the new storage has the bound shape, strides,
-        dtype and device (and shares no memory with another bound tensor): a new binding is made on
-        it and swapped in whole.  Returns the problems of the others (the refit is then refused on
-        every rank)."""
+        """Local, before a refit's start exchange: the watchers first (:meth:`watch`), then every
+        owner whose storage changed since bind (``param.data = new``, or a replaced owner) is followed
+        when the new storage has the bound shape, strides, dtype and device (and shares no memory
+        with another bound tensor): a new binding is made on it and swapped in whole.  Returns the
+        problems of the others (the refit is then refused on every rank)."""
+        problems = self._watched() if self._watchers else []
+        if problems:
+            return problems
         changed = self._owners.changed()
         if not changed:
             return []
@@ -248,7 +289,7 @@ class Resharder:
             if why is None and rec.side == "dst" and now.is_inference():
                 why = "the new tensor is an inference tensor (a refit writes it in place outside inference mode)"
             if why is not None:
-                problems.append(f"rank {self.rank}: {rec.side} tensor {rec.name}: param.data was rebound after binding: "
+                problems.append(f"rank {self.rank}: {rec.side} tensor {rec.name}: param.data was rebound after binding (or its module / parameter object replaced): "
                                 f"storage 0x{rec.ptr:x} -> {describe(now)}; {why}")
             (src if rec.side == "src" else dst)[rec.name] = now
         if problems:

@@ -82,6 +82,25 @@ def test_item7_meta_device_refused(misuse):
     _refused(misuse, "meta_src", text="meta device")
 
 
+@pytest.mark.parametrize("kind", list(adversarial_workers._kinds()) + ["fake/followed"])
+def test_tensor_kinds_without_strided_storage_refused_everywhere(misuse, kind):
+    """Sparse (every layout), nested, quantized, functional, fake and unknown subclasses, given on
+    rank 1 only as a source or a destination: every rank raises ReshardError in the handshake, naming
+    rank 1, the tensor and its kind; no byte moved.  (A sparse source used to crash rank 1 with a raw
+    RuntimeError while rank 0 waited out the timeout.)  A destination whose ``param.data`` became a
+    FakeTensor (a meta tensor: no storage) after binding is refused at the next refit, not followed."""
+    sides = ["followed"] if kind == "fake/followed" else ["src", "dst"]
+    words = "on meta" if kind == "fake/followed" else adversarial_workers._kinds()[kind][1]
+    for side in sides:
+        case = kind if side == "followed" else f"{kind}/{side}"
+        for rank, r in enumerate(misuse):
+            o = r["kinds"][case]
+            assert o["type"] == "ReshardError", (rank, case, o)
+            assert o["dst_untouched"] and o["src_untouched"], (rank, case, o)
+            assert f"rank 1: {'dst' if side == 'followed' else side} tensor {o['name']}" in o["error"], (rank, case, o["error"])
+            assert words in o["error"], (rank, case, o["error"])
+
+
 def test_item8_options_and_threads(misuse):
     _refused(misuse, "overlap_differs", text="options differ between ranks")
     _refused(misuse, "overlap_env_differs", text="overlap=0")
@@ -256,3 +275,27 @@ def test_nccl_host_side_deadline_and_abort(monkeypatch):
     # a timeout error is classified as such by the round error text
     from mcore_reshard.core.executor.errors import is_timeout
     assert is_timeout(TimeoutError("Timed out waiting 300ms (host-side deadline; communicator aborted)"))
+
+
+def test_group_guard_released_after_an_interrupt_inside_it(monkeypatch):
+    """A KeyboardInterrupt right after the per-group lock was taken (before the body) used to leave it
+    held: every later refit / rebind over that group in the process was refused ('thread None is
+    running a refit').  In process: the interrupt lands in the guard's own bookkeeping."""
+    import threading
+    import types
+
+    from mcore_reshard.core.executor import ReshardError, handshake
+    group = object()
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(handshake, "threading", types.SimpleNamespace(Lock=threading.Lock, current_thread=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        with handshake.group_guard(group, 0, "refit"):
+            pass
+    monkeypatch.undo()
+    with handshake.group_guard(group, 0, "refit"):       # free again
+        with pytest.raises(ReshardError, match="same process group"):
+            with handshake.group_guard(group, 0, "refit"):
+                pass
