@@ -25,7 +25,8 @@ Modules: :mod:`.plan` (plan data, JSON, hash), :mod:`.index` (source index, chec
 :mod:`.matching` (destination pieces against source boxes), :mod:`.senders` (replica choice),
 :mod:`.packing` (round packing and messages), :mod:`.stats` (per-rank parts, totals),
 :mod:`.plan_check` (self-consistency of a received plan), :mod:`.templates` (layers planned once per
-geometry) and :mod:`.placement` (their messages into rounds), :mod:`.topology` (two-level plans).
+geometry) and :mod:`.placement` (their messages into rounds), :mod:`.topology` (two-level plans),
+:mod:`.windows` (a destination cut into windows of whole modules, one plan each: streamed refits).
 Import from this package.
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .senders import choose_senders
 from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
 from .topology import COPY_SHARE, Topology, link_stats, plan_forwarding, split_unstaged
+from .windows import DEFAULT_WINDOW, Window, WindowedPlan, make_windowed_plan, partition
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
@@ -172,6 +174,6 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "CopyPlan", "Message", "Plan", "StoredPlan", "PlanError", "TemplatedPlan", "Topology",
-           "make_plan",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "PLAN_VERSION", "Copy", "CopyPlan", "Message", "Plan", "StoredPlan",
+           "PlanError", "TemplatedPlan", "Topology", "Window", "WindowedPlan", "make_plan", "make_windowed_plan", "partition",
            "plan_part", "plan_stats", "validate_plan"]
