@@ -478,6 +478,18 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
     round to nearest even: Megatron's fp32 router bias or norms into a bf16 engine are bit-equal to
     the engine's own load of an HF export), and refuses any other cast; ``True`` any cast the
     planner allows; ``False`` none.  Returns the :class:`Resharder` (``.plan`` holds the plan)."""
+    src_layout, dst_layout, plan_kw = _exchange(group, src, src_tensors, dst, dst_tensors, error=error,
+                                                budget_bytes=budget_bytes, allow_cast=allow_cast,
+                                                ignore_unused=ignore_unused, timeout=timeout, verify=verify)
+    with all_or_none(group, timeout=timeout):    # deterministic, but still exchanged so nobody waits
+        plan = make_plan(src_layout, dst_layout, **plan_kw)
+    return Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+
+
+def _exchange(group, src, src_tensors, dst, dst_tensors, *, error, budget_bytes, allow_cast, ignore_unused, timeout,
+              verify) -> tuple[Layout, Layout, dict]:
+    """Steps 1-3 of the protocol (see the module doc): every rank's payload exchanged, every problem
+    raised on every rank; returns the merged source and destination layouts and the plan options."""
     if allow_cast != "loader" and not isinstance(allow_cast, bool):
         raise ValueError(f"allow_cast={allow_cast!r}: expected 'loader', True or False")
     rank = dist.get_rank(group)
@@ -514,9 +526,7 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
         src_layout = _side(parts, "src")
         dst_layout = _side(parts, "dst")
         cast = loader_casts(src_layout, dst_layout) if allow_cast == "loader" else bool(allow_cast)
-        plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=cast,
-                         ignore_unused=ignore_unused)
-    return Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+    return src_layout, dst_layout, {"budget_bytes": budget_bytes, "allow_cast": cast, "ignore_unused": ignore_unused}
 
 
 FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})
