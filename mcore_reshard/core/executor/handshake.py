@@ -21,7 +21,7 @@ _OPT_BYTES = 64
 # control messages (handshake, retry handshake, confirmation, refit start) share one fixed size and
 # carry their kind, so ranks at different protocol steps are detected instead of exchanging
 # mismatched bytes
-_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation", 4: "refit start"}
+_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation", 4: "refit start", 5: "windowed refit end"}
 _C_KIND, _C_OK, _C_FLAGS, _C_VER, _C_TOKEN, _C_DIGEST, _C_OPT = 0, 1, 2, 3, 11, 19, 51
 _C_TEXT = _C_OPT + _OPT_BYTES
 _C_SIZE = _C_TEXT + _MSG_BYTES
