@@ -168,6 +168,15 @@ class WindowedPlan:
     def ranks(self) -> list[int]:
         return sorted({r for p in self.plans for r in p.ranks})
 
+    @property
+    def messages(self) -> list:
+        """Every window's messages, window after window (rounds numbered within each window)."""
+        return [m for p in self.plans for m in p.messages]
+
+    @property
+    def local_copies(self) -> list:
+        return [c for p in self.plans for c in p.local_copies]
+
     def to_json(self) -> dict:
         return {"version": WINDOWED_PLAN_VERSION, "window_bytes": self.window_bytes,
                 "windows": [w.to_json() for w in self.windows], "plans": [p.to_json() for p in self.plans],
