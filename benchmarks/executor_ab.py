@@ -5,9 +5,8 @@ floor, timed interleaved call by call in the same 4 gloo workers::
 
 The earlier revision's ``mcore_reshard/core/executor/rounds.py`` is read with ``git show`` and
 loaded as a module; its ``round_overlapped`` runs in place of this tree's (same plan, same
-binding; the Resharder's cached ``waits_block`` cleared so that every wait looks the backend up,
-as it did before).  ``floor``: the bare transport (``bench.live.TransportFloor``); ``floor_local``:
-the floor, then this rank's local copies (``transfer.LocalCopies``): the least any executor does
+binding).  ``floor``: the bare transport (``bench.live.TransportFloor``); ``floor_local``:
+the floor, then this rank's local copies (``Resharder.copy_local``): the least any executor does
 for this plan, as the floor copies nothing into the model.  Per method and rank: median wall ms, process CPU ms (every thread, gloo's
 included) and main-thread CPU ms; ``paired_new_old``: the median of the per-call ratios.
 Prints one JSON line per (rank, layout pair).
@@ -40,8 +39,7 @@ def _old_rounds(path: str):
 def worker(rank: int, world: int, size: str, reps: int, old_path: str) -> list:
     mcore_cpu, _ = live.import_test_helpers()
     mcore_cpu.install_cpu_shims()
-    from mcore_reshard.core.executor import transfer
-    from mcore_reshard.core.executor.transfer import LocalCopies
+    from mcore_reshard.core.executor import rounds
     from mcore_reshard.refit import MegatronRefit
     old_rounds = _old_rounds(old_path)
     out = []
@@ -52,19 +50,18 @@ def worker(rank: int, world: int, size: str, reps: int, old_path: str) -> list:
         old = MegatronRefit(src, dst, budget_bytes=256 << 20)
 
         def run_old():
-            keep = transfer.round_overlapped
-            transfer.round_overlapped = old_rounds.round_overlapped
-            old.resharder.waits_block = None
+            keep = rounds.round_overlapped      # what the overlapped transport calls
+            rounds.round_overlapped = old_rounds.round_overlapped
             try:
                 old.refit()
             finally:
-                transfer.round_overlapped = keep
+                rounds.round_overlapped = keep
 
         floor = live.TransportFloor(new.plan)
 
         def floor_local():      # the least any executor does here: the wire, then this rank's local copies
             floor.run()
-            LocalCopies(new.resharder._refit, [], set()).drain()
+            new.resharder.copy_local()
 
         fns = {"new": new.refit, "old": run_old, "floor": floor.run, "floor_local": floor_local}
         res = {k: [] for k in fns}

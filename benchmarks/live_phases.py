@@ -38,7 +38,6 @@ def worker(rank: int, world: int, size: str, direct_mins: list, reps: int) -> li
     mcore_cpu, _ = live.import_test_helpers()
     mcore_cpu.install_cpu_shims()
     from mcore_reshard.core.executor import common
-    from mcore_reshard.core.executor.transfer import LocalCopies
     from mcore_reshard.refit import MegatronRefit
     out = []
     default = common._DIRECT_MIN
@@ -56,8 +55,8 @@ def worker(rank: int, world: int, size: str, direct_mins: list, reps: int) -> li
         finally:
             common._DIRECT_MIN = default
         r = refit.resharder
-        alone = _median(lambda: LocalCopies(r._refit, [], set()).drain() if rank == 0 else None)
-        together = _median(lambda: LocalCopies(r._refit, [], set()).drain())
+        alone = _median(lambda: r.copy_local() if rank == 0 else None)
+        together = _median(lambda: r.copy_local())
         fns["floor"] = live.TransportFloor(refit.plan).run
         timed = live._timed_interleaved(fns, reps)
         med = {k: sorted(o["times"])[len(o["times"]) // 2] for k, o in timed.items()}

@@ -46,16 +46,15 @@ def quick(name: str, budget: int, nic_pace: float | None = None, copy_share: int
     (``topology.NIC_PACE``, ``COPY_SHARE``: experiments): paced / link bound, rounds, messages, hash."""
     import mcore_reshard.core.planner as planner
     import mcore_reshard.core.planner.topology as topology
-    from mcore_reshard.targets import dsv3_671b
     from mcore_reshard.tools import costmodel
-    from mcore_reshard.tools.bench.configs import CONFIGS, small_config
+    from mcore_reshard.tools.bench.configs import CONFIGS
     if nic_pace is not None:
         topology.NIC_PACE = nic_pace
     if copy_share is not None:
         planner.COPY_SHARE = topology.COPY_SHARE = copy_share
     conf = CONFIGS[name]
     topo = costmodel.preset(conf.topology)
-    src, dst = conf.build(small_config() if name == "small" else dsv3_671b())
+    src, dst = conf.build()
     t0 = time.perf_counter()
     plan = planner.make_plan(src, dst, budget_bytes=budget, ignore_unused=True, topology=topo.topology)
     plan_s = time.perf_counter() - t0
@@ -69,12 +68,11 @@ def quick(name: str, budget: int, nic_pace: float | None = None, copy_share: int
 
 def run(name: str, budget: int) -> dict:
     from mcore_reshard.core.planner import make_plan
-    from mcore_reshard.targets import dsv3_671b
     from mcore_reshard.tools import costmodel
-    from mcore_reshard.tools.bench.configs import CONFIGS, small_config
+    from mcore_reshard.tools.bench.configs import CONFIGS
     conf = CONFIGS[name]
     topo = costmodel.preset(conf.topology)
-    src, dst = conf.build(small_config() if name == "small" else dsv3_671b())
+    src, dst = conf.build()
     out = {"name": name, "title": conf.title, "topology": topo.name, "gpus_per_domain": topo.gpus_per_domain,
            "budget_bytes": budget, "ranks": len(set(src.ranks) | set(dst.ranks))}
     t0 = time.perf_counter()

@@ -46,7 +46,7 @@ from torch.distributed.tensor import Partial
 from .core.dtensor import Replicate, Shard, _StridedShard, buffer_for
 from .core.executor import Resharder, ReshardError, all_gather_json, all_or_none
 from .core.executor.common import check_timeout, dtype_name
-from .core.executor.handshake import checkin, exchange, missing_ranks
+from .core.executor.handshake import Step, checkin, exchange, missing_ranks
 from .core.layout import Layout
 from .core.planner import DEFAULT_BUDGET, Plan, make_plan
 
@@ -440,18 +440,15 @@ def _reused_everywhere(group, rank: int, hit, ok: bool, timeout) -> bool:
     t0 = time.monotonic()
     ticket = checkin(group)
     try:
-        msgs = exchange(group, _KIND_REUSE, digest=hit[0] if hit else "", token=hit[1]._token if hit else 0, ok=ok,
+        msgs = exchange(group, Step.REUSE_CHECK, digest=hit[0] if hit else "", token=hit[1].binding_id if hit else 0, ok=ok,
                         timeout=timeout)
     except Exception as e:  # noqa: BLE001 - a peer that died, skipped the call or never joined
         gone = missing_ranks(ticket)
         who = f"ranks {gone} did not answer" if gone else "(which ranks did not answer is unknown)"
         raise ReshardError(f"reshard failed on rank {rank} after {time.monotonic() - t0:.1f} s: {who} (a peer died, "
                            f"skipped the call or the process group is broken): {type(e).__name__}: {str(e)[:300]}") from e
-    return hit is not None and all(m["kind"] == _KIND_REUSE and m["ok"] and m["digest"] == hit[0]
-                                   and m["token"] == hit[1]._token for m in msgs)
-
-
-_KIND_REUSE = 6
+    return hit is not None and all(m["kind"] == Step.REUSE_CHECK and m["ok"] and m["digest"] == hit[0]
+                                   and m["token"] == hit[1].binding_id for m in msgs)
 
 
 def _refit(key, resharder: Resharder, version, *, reused: bool, sig: str | None = None) -> ReshardResult:

@@ -27,11 +27,26 @@ exports.  Example, the tiny DeepSeek-V3 (4 layers + MTP, 8 experts, fp32) at ``m
 Refused before a byte moves, on every rank: a Megatron setting transformers cannot express (the
 :class:`~mcore_reshard.sources.hf_config.HFConfigError` names it and the fix), ranks that disagree on
 the architecture, a derived config whose tensors differ from the model's, an ``on_rank`` outside
-the group.  A shard that cannot be written makes every rank raise too.
+the group, an ``out_dir`` another export is writing (the error names the directory and that
+writer: pid, host, since when).  A shard that cannot be written makes every rank raise too.
+
+The export owns ``out_dir`` while it runs and leaves it complete or as it was
+(:class:`~mcore_reshard.util.owned_dir.OwnedDirectory`): the writer takes a lock beside it
+(``.<name>.lock``, released by the kernel if the writer dies), writes every file into a staging
+directory beside it, and only once the last file is written swaps that directory into place with a
+rename.  A failed, interrupted or killed export leaves ``out_dir`` as it was (the previous export, or
+absent); files of ``out_dir`` that are not the export's (a tokenizer) are carried over.
+
+    writer                        out_dir as another process sees it
+    export A returned             A (complete)
+    export B streaming shards     A; a second export C now is refused naming B's writer
+    export B killed (SIGKILL)     A (B's staging directory is removed by the next export)
+    export B returned             B (complete), A's tokenizer.json carried over
 """
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 import time
@@ -42,11 +57,12 @@ import torch.distributed as dist
 
 from .core.executor import GatherChecked, Resharder, ReshardError, all_gather_json, all_or_none, dtype_name, torch_dtype
 from .core.layout import Buffer, Layout, merge_layouts
-from .core.planner import DEFAULT_BUDGET, check_budget, make_plan
+from .core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
 from .mapper.family import canonicalize, load_family
 from .refit import agreed_config
 from .sources.megatron_model import family_for, model_config, read_layout
 from .util.memstat import peak_bytes, reset_peak, rss_bytes
+from .util.owned_dir import OwnedDirectory
 from .util.progress import bar
 
 INDEX = "model.safetensors.index.json"
@@ -111,14 +127,10 @@ def _sub_layout(lay: Layout, tensors: set[str], ranks_buffers: dict[int, list[st
     return out
 
 
-def _prepare_dir(out_dir: str, files: list[str]) -> None:
-    """Create ``out_dir``; remove shard files and an index of an earlier export that this one will
-    not overwrite (as ``save_pretrained`` does), so ``from_pretrained`` cannot pick them up."""
-    os.makedirs(out_dir, exist_ok=True)
-    for f in os.listdir(out_dir):
-        path = os.path.join(out_dir, f)
-        if (_SHARD.match(f) or f == INDEX) and f not in files and os.path.isfile(path):
-            os.unlink(path)
+def _is_export_file(name: str) -> bool:
+    """Files of an export (an earlier one's are replaced as a whole; other files of ``out_dir`` -- a
+    tokenizer, a README -- are carried over into the new directory)."""
+    return bool(_SHARD.match(name)) or name in (INDEX, "config.json")
 
 
 def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None, *, on_rank: int = 0,
@@ -131,7 +143,8 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     rank *in* ``group`` (it may hold no chunks: an extra process that joined the group).  ``dtype``:
     the stored dtype (default: Megatron's own per tensor).  ``vocab_size``: the real vocabulary when
     the embedding is padded.  ``memory_bytes``: the most the writer holds of the model at once (and
-    the largest shard file).  ``budget_bytes``: staging per rank per transfer round.  ``timeout``:
+    the largest shard file), any integer >= 1: a tensor larger than that is a group, and a shard
+    file, of its own (``1``: one shard per tensor).  ``budget_bytes``: staging per rank per transfer round.  ``timeout``:
     seconds any rank waits for a peer before raising.  ``progress``: a bar per shard on the writer.
 
     Returns ``{"config": config.json dict, "files": [...], "tensors": n, "total_bytes": b,
@@ -141,7 +154,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     from .sources.hf_config import hf_config_dict, megatron_facts
 
     budget_bytes = check_budget(budget_bytes)
-    memory_bytes = check_budget(memory_bytes, "memory_bytes")
+    memory_bytes = _check_memory_bytes(memory_bytes)
     t0 = time.perf_counter()
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -188,9 +201,25 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
                     names = by_tensor.setdefault(p.tensor, {}).setdefault(r, [])
                     if not names or names[-1] != bname:
                         names.append(bname)
-        if rank == on_rank:
-            _prepare_dir(out_dir, files)
+        owned = None
+        if rank == on_rank:   # this export owns out_dir until it returns: a second writer is refused
+            owned = OwnedDirectory(out_dir, owned=_is_export_file,
+                                   what=f"export_hf writing rank {on_rank} of a group of {world}").acquire()
+    try:
+        return _stream_and_commit(group, rank, on_rank, owned, out_dir, groups, files, dst, src, src_t, by_tensor,
+                                  hf_cfg, budget_bytes, timeout, progress, t0)
+    except BaseException:
+        if owned is not None:
+            owned.abort()      # out_dir keeps what it held before (or stays absent)
+        raise
 
+
+def _stream_and_commit(group, rank, on_rank, owned, out_dir, groups, files, dst, src, src_t, by_tensor, hf_cfg,
+                       budget_bytes, timeout, progress, t0) -> dict:
+    """The shards, group by group, into the writer's staging directory; then the index and config,
+    and the staging directory swapped into place (:meth:`OwnedDirectory.commit`)."""
+    n = len(groups)
+    staging = owned.staging if owned is not None else None
     weight_map, total, biggest, net = {}, 0, 0, 0
     measured = rank == on_rank and reset_peak()    # the writer's resident memory while it streams
     before = rss_bytes() if measured else 0
@@ -218,7 +247,7 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             biggest, total = max(biggest, size), total + size
             try:
                 from safetensors.torch import save_file
-                save_file(out, os.path.join(out_dir, files[gi]), metadata={"format": "pt"})   # as transformers writes
+                save_file(out, os.path.join(staging, files[gi]), metadata={"format": "pt"})   # as transformers writes
                 weight_map.update({name: files[gi] for name in names})
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 error = f"rank {rank}: writing {os.path.join(out_dir, files[gi])} failed: {type(e).__name__}: {e}"
@@ -234,10 +263,11 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
     error = None
     if rank == on_rank:
         try:
-            with open(os.path.join(out_dir, INDEX), "w") as f:
+            with open(os.path.join(staging, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            with open(os.path.join(out_dir, "config.json"), "w") as f:
+            with open(os.path.join(staging, "config.json"), "w") as f:
                 json.dump(_config_json(hf_cfg), f, indent=2, sort_keys=True)
+            owned.commit()     # the complete directory replaces out_dir in one rename
         except Exception as e:  # noqa: BLE001
             error = f"rank {rank}: writing {out_dir} failed: {type(e).__name__}: {e}"
     _all_written(group, error, timeout, None)   # every rank returns only once the directory is complete
@@ -245,6 +275,16 @@ def export_hf(model_chunks: Sequence[torch.nn.Module], out_dir: str, group=None,
             "buffers": len(dst.buffers.get(on_rank, {})), "total_bytes": total, "max_group_bytes": biggest,
             "network_bytes": net, "writer_peak_added_bytes": peak_added, "stream_seconds": stream_s,
             "seconds": time.perf_counter() - t0}
+
+
+def _check_memory_bytes(value) -> int:
+    """``memory_bytes`` as an integer >= 1 (``1``: every tensor a group, and a shard file, of its own);
+    :class:`PlanError` naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PlanError(f"memory_bytes={value!r}: must be an integer number of bytes >= 1, not {type(value).__name__}")
+    if value < 1:
+        raise PlanError(f"memory_bytes={int(value)}: must be >= 1 (1: every tensor a shard of its own)")
+    return int(value)
 
 
 def _export_dtype(dtype) -> str | None:

@@ -4,7 +4,11 @@ The weights alone do not make an HF model give Megatron's logits: ``rope_interle
 ``norm_topk_prob``, ``n_group``/``topk_group``, ``routed_scaling_factor``, YaRN's
 ``rope_parameters`` or an epsilon set wrong load bit-identical weights into a model that computes
 something else.  So the config is derived, never written by hand, and a Megatron setting that no
-transformers config can express is refused, naming the setting and the closest fix.
+transformers config can express is refused, naming the setting and the closest fix.  Closed-world:
+every field of the ``TransformerConfig`` is walked (:mod:`mcore_reshard.sources.megatron_settings`
+classifies each as expressed, irrelevant to the forward, or refused); one that differs from its
+default and is neither expressed nor proven irrelevant is refused (``glu_linear_offset=1.0``,
+``moe_expert_capacity_factor=1.0``, a field a newer Megatron-Core added).
 
 Three steps, each usable alone:
 
@@ -37,6 +41,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 from ..core.layout import LayoutError
+from .megatron_settings import CONFIG_FIELDS, describe, unexpressed
 
 
 class HFConfigError(LayoutError):
@@ -78,21 +83,6 @@ COMMON_REQUIRES = (
     dict(setting="moe_apply_probs_on_input", equals=False, why="transformers weights the experts' outputs",
          fix="moe_apply_probs_on_input=False"),
 )
-
-# Megatron TransformerConfig fields read as they are (absent ones read as None).
-CONFIG_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "layernorm_epsilon", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-    "mscale_all_dim", "rotary_interleaved", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
-    "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-    "moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "moe_router_topk_limited_devices", "moe_apply_probs_on_input", "mtp_num_layers",
-    "apply_residual_connection_post_layernorm", "layernorm_zero_centered_gamma", "softmax_scale", "window_size",
-    "no_rope_freq", "attention_output_gate",
-)
-
 
 def _unwrap(m):
     while not hasattr(m, "vocab_size") and hasattr(m, "module"):   # DDP / Float16Module wrappers
@@ -156,6 +146,10 @@ def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddi
         cfg = model
     if not all(hasattr(cfg, k) for k in ("num_layers", "hidden_size", "num_attention_heads")):
         raise HFConfigError(f"model={type(model).__name__}: expected model chunks, a GPTModel or a TransformerConfig")
+    try:
+        not_expressed = [describe(u) for u in unexpressed(cfg)]
+    except TypeError as e:
+        raise HFConfigError(f"model: {e}") from None
     f: dict[str, Any] = {k: _json(getattr(cfg, k, None)) for k in CONFIG_FIELDS}
     act = getattr(cfg, "activation_func", None)
     f["activation"] = getattr(act, "__name__", str(act))
@@ -169,7 +163,7 @@ def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddi
                  tie_word_embeddings=bool(chunk.share_embeddings_and_output_weights),
                  position_embedding_type=chunk.position_embedding_type,
                  rotary_base=float(getattr(chunk, "rotary_base", None) or getattr(cfg, "rotary_base", 10000)),
-                 rotary_percent=float(getattr(chunk, "rotary_percent", 1.0)),
+                 rotary_percent=float(getattr(chunk, "rotary_percent", 1.0)),   # MLA: the config's (below)
                  rope_scaling=bool(getattr(chunk, "rotary_scaling", False)),
                  seq_len_interpolation_factor=getattr(rope, "seq_len_interpolation_factor", None))
     else:
@@ -184,10 +178,12 @@ def megatron_facts(model, *, vocab_size: int | None = None, max_position_embeddi
         f["tie_word_embeddings"] = bool(tie_word_embeddings)
     if f["multi_latent_attention"]:
         f["rotary_interleaved"] = False   # MLA refuses it; its own rotation is HF's rope_interleave
+        f["rotary_percent"] = float(getattr(cfg, "rotary_percent", 1.0))   # MLA's RoPE reads the config's
     f["num_query_groups"] = f["num_query_groups"] or f["num_attention_heads"]
     f["num_moe_experts"] = f["num_moe_experts"] or 0
     f["mtp_layers"] = f["mtp_num_layers"] or 0
     f["dtype"] = _json(getattr(cfg, "params_dtype", None))
+    f["unexpressed"] = not_expressed
     _facts_moe(f, getattr(cfg, "moe_layer_freq", 1))
     _facts_rope(f)
     return f
@@ -284,20 +280,27 @@ def hf_config_dict(facts: Mapping, family: str = "auto") -> dict:
     """The ``config.json`` dict (transformers field names) for ``facts`` (:func:`megatron_facts`).
 
     Raises :class:`HFConfigError` listing every Megatron setting the family's transformers model
-    cannot express, each with the reason and the closest fix."""
+    cannot express, each with the reason and the closest fix: the family table's requirements, and
+    ``facts["unexpressed"]``, the settings :mod:`~mcore_reshard.sources.megatron_settings` neither
+    expresses nor proves irrelevant to the forward (closed-world: every field of the config is
+    walked, so a setting added by a newer Megatron-Core is refused until it is classified)."""
     if not isinstance(facts, Mapping):
         raise HFConfigError(f"facts={type(facts).__name__}: expected the dict megatron_facts() returns")
     for key in POSITIVE_FACTS:
         if key not in facts:
             raise HFConfigError(f"facts[{key!r}] is missing: pass the dict megatron_facts() returns")
         _positive_int(facts[key], f"facts[{key!r}]")
+    not_expressed = facts.get("unexpressed")
+    if not isinstance(not_expressed, list) or not all(isinstance(x, str) for x in not_expressed):
+        raise HFConfigError(f"facts['unexpressed']={not_expressed!r:.80}: expected the list megatron_facts() returns "
+                            "(the Megatron settings no transformers config expresses); pass its dict")
     if not isinstance(family, str):
         raise HFConfigError(f"family={family!r}: must be a family name or 'auto'")
     family = _family_of(facts) if family == "auto" else family
     table = hf_table(family)
     requires = list(COMMON_REQUIRES) + list(table.get("require", ()))
     variant = None
-    problems = []
+    problems = list(not_expressed)
     for req in requires:
         value = facts.get(req["setting"])
         if _violates(req, value):
@@ -351,5 +354,5 @@ def to_transformers(config: Mapping):
                             f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
-__all__ = ["COMMON_REQUIRES", "HFConfigError", "hf_config", "hf_config_dict", "hf_table", "megatron_facts",
+__all__ = ["COMMON_REQUIRES", "CONFIG_FIELDS", "HFConfigError", "hf_config", "hf_config_dict", "hf_table", "megatron_facts",
            "to_transformers"]

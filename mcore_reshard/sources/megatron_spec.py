@@ -151,6 +151,9 @@ def megatron_layout(cfg: Any, sizes: ParallelSizes, family: str = "deepseek_v3",
     tied = bool(_get(cfg, "tie_word_embeddings", False))
     stages = stage_layers(L, sizes)
     tp = sizes.tp
+    heads = _get(cfg, "num_attention_heads")
+    if heads % tp:      # Megatron-Core's own check: attention is split over tp by whole heads
+        raise ValueError(f"{heads} attention heads are not divisible by tp={tp}")
     for r in b.m.dense.ranks:
         c = b.m.dense.coord(r)
         t, p = c["tp"], c["pp"]

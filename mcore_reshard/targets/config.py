@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..core.layout import TensorMeta
+from ..core.layout import LayoutError, TensorMeta
 
 FAMILY_OF_MODEL_TYPE = {
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3",
@@ -158,7 +158,13 @@ def qwen3_moe_tiny(num_key_value_heads: int = 4, n_routed_experts: int = 8) -> M
 
 
 def from_hf_config(obj: Any) -> ModelConfig:
-    """A :class:`ModelConfig` from a transformers ``PretrainedConfig`` (or a ``config.json`` dict)."""
+    """A :class:`ModelConfig` from a transformers ``PretrainedConfig`` (or a ``config.json`` dict).
+
+    Closed-world (:mod:`mcore_reshard.targets.hf_fields`): every field of the config is read,
+    checked against the one value the layouts describe (``mlp_bias=False``, no
+    ``quantization_config``), or known not to change the tensors; any other field whose value
+    differs from the transformers default is refused (:class:`LayoutError` naming each field and its fix)."""
+    from .hf_fields import check_hf_fields
     if hasattr(obj, "get_text_config"):
         obj = obj.get_text_config()
     get = (lambda k, d=None: obj.get(k, d)) if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
@@ -166,6 +172,11 @@ def from_hf_config(obj: Any) -> ModelConfig:
     if mt not in FAMILY_OF_MODEL_TYPE:
         raise ValueError(f"unsupported model_type {mt!r}; known: {sorted(FAMILY_OF_MODEL_TYPE)}")
     fam = FAMILY_OF_MODEL_TYPE[mt]
+    items = dict(obj) if isinstance(obj, Mapping) else (obj.to_dict() if hasattr(obj, "to_dict") else dict(vars(obj)))
+    problems = check_hf_fields(items, mt, fam)
+    if problems:
+        raise LayoutError(f"the {mt} config has {len(problems)} field(s) the layouts cannot describe:\n  "
+                          + "\n  ".join(problems))
 
     def num(k, d=0):
         v = get(k, d)

@@ -148,8 +148,10 @@ def build_chunks(config, vocab_size: int, share_embeddings: bool, mtp: bool) -> 
     chunks = []
     for v in range(vpp or 1):
         vp_stage = v if vpp else None
+        # qk_l2_norm reaches the spec as Megatron's training entry point passes it (args.qk_l2_norm)
         spec = _cpu_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                    normalization=config.normalization, vp_stage=vp_stage))
+                                                    normalization=config.normalization,
+                                                    qk_l2_norm=bool(config.qk_l2_norm), vp_stage=vp_stage))
         mtp_spec = None
         if mtp:
             mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
@@ -170,7 +172,8 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
                     first_stage_layers: Optional[int] = None, last_stage_layers: Optional[int] = None,
                     pipeline_layout: Optional[str] = None, dispatcher: str = "alltoall",
                     num_experts: int = 8, topk: int = 2, rope_type: str = "rope",
-                    yarn: Optional[dict] = None, widths: Optional[dict] = None) -> list:
+                    yarn: Optional[dict] = None, widths: Optional[dict] = None,
+                    overrides: Optional[dict] = None) -> list:
     """Tiny DeepSeek-V3-style model: MLA (q_lora 32, kv_lora 16, nope 16, rope 8, v 16, 4 heads,
     hidden 64), first layer dense (ffn 128), the rest MoE with ``num_experts`` routed experts
     (ffn 32, top-2, sigmoid scores, expert bias, 4 groups / top-2 groups, scaling 2.5) plus one
@@ -194,7 +197,9 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
     ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim`` (=
     ``kv_channels``), ``moe_ffn_hidden_size`` (= the shared expert's), and ``vocab``) for a larger model.
 
-    The other builders take the same layout keywords.
+    ``overrides``: more ``MLATransformerConfig`` fields, applied last (any setting under test).
+
+    The other builders take the same layout keywords (and ``overrides``).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -212,7 +217,7 @@ def build_dsv3_tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, num_la
         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
         moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
         moe_router_pre_softmax=True, mtp_num_layers=1 if mtp else None,
-        **moe_kwargs(dispatcher, "seq_aux_loss"), **kw, **_yarn_kwargs(rope_type, yarn))
+        **{**moe_kwargs(dispatcher, "seq_aux_loss"), **kw, **_yarn_kwargs(rope_type, yarn), **(overrides or {})})
     return build_chunks(config, vocab, share_embeddings=False, mtp=mtp)
 
 
@@ -231,7 +236,7 @@ def build_gqa_dense_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
                          vpp: Optional[int] = None, first_stage_layers: Optional[int] = None,
                          last_stage_layers: Optional[int] = None,
                          pipeline_layout: Optional[str] = None, num_attention_heads: int = 8,
-                         kv_channels: int = 8) -> list:
+                         kv_channels: int = 8, overrides: Optional[dict] = None) -> list:
     """Tiny Llama/Qwen2-style dense model: hidden 64, ``num_attention_heads`` heads of ``kv_channels``
     (default 8 of 8), ``num_query_groups`` KV groups (GQA; must be divisible by TP), SwiGLU ffn 128,
     RMSNorm, rope, optional qkv bias (Qwen2) and tied embeddings, vocab 128."""
@@ -241,7 +246,8 @@ def build_gqa_dense_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
                              pipeline_layout)
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=64, num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups, kv_channels=kv_channels, ffn_hidden_size=128, add_qkv_bias=qkv_bias, layernorm_epsilon=1e-6, **kw)
+        num_query_groups=num_query_groups, kv_channels=kv_channels, ffn_hidden_size=128, add_qkv_bias=qkv_bias,
+        layernorm_epsilon=1e-6, **{**kw, **(overrides or {})})
     return build_chunks(config, VOCAB, share_embeddings=tied_embeddings, mtp=False)
 
 
@@ -250,7 +256,8 @@ def build_qwen3_moe_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
                          sequence_parallel: bool = False, vpp: Optional[int] = None,
                          first_stage_layers: Optional[int] = None,
                          last_stage_layers: Optional[int] = None,
-                         pipeline_layout: Optional[str] = None, dispatcher: str = "alltoall") -> list:
+                         pipeline_layout: Optional[str] = None, dispatcher: str = "alltoall",
+                         overrides: Optional[dict] = None) -> list:
     """Tiny Qwen3-MoE-style model: hidden 64, 8 heads of 16 (q width 128 != hidden, as in Qwen3),
     ``num_query_groups`` KV groups, qk_layernorm, every layer MoE with ``num_experts`` experts
     (ffn 32, softmax router, top-2, renormalised, no shared expert, no expert bias), RMSNorm,
@@ -264,7 +271,7 @@ def build_qwen3_moe_tiny(dtype: torch.dtype = torch.float32, num_layers: int = 4
         kv_channels=16, ffn_hidden_size=128, qk_layernorm=True, layernorm_epsilon=1e-6,
         num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=32,
         moe_router_score_function="softmax", moe_router_pre_softmax=False,
-        **moe_kwargs(dispatcher, "aux_loss"), **kw)
+        **{**moe_kwargs(dispatcher, "aux_loss"), **kw, **(overrides or {})})
     return build_chunks(config, VOCAB, share_embeddings=False, mtp=False)
 
 

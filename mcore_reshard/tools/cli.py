@@ -28,9 +28,18 @@ Layout strings (see docs/layout-strings.md):
 The demo's synthetic model takes Megatron strings only: "tp=2,pp=2,ep=2,etp=1,dp=1".
 """
 
+#: ``--model`` name -> "module:function" (relative to mcore_reshard) making its ModelConfig
 PRESETS = {
-    "dsv3-671b": "dsv3_671b", "dsv3-tiny": "dsv3_tiny", "llama-tiny": "gqa_tiny", "qwen3-moe-tiny": "qwen3_moe_tiny",
+    "dsv3-671b": "targets:dsv3_671b", "dsv3-tiny": "targets:dsv3_tiny", "llama-tiny": "targets:gqa_tiny",
+    "qwen3-moe-tiny": "targets:qwen3_moe_tiny", "kimi-k2-1t": "tools.bench.configs:kimi_k2_1t",
 }
+
+
+def model_preset(name: str):
+    """The ModelConfig of ``--model name`` (:data:`PRESETS`)."""
+    import importlib
+    module, _, function = PRESETS[name].partition(":")
+    return getattr(importlib.import_module(f"mcore_reshard.{module}"), function)()
 
 
 def _positive(kind):
@@ -59,70 +68,140 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="destination dtype (differs from --dtype: cast on the receiver)")
 
 
+#: a Hugging Face config.json field the layouts cannot do without (a whole number >= 1)
+REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+#: most ranks a layout string may take (a typo such as dp=1000000 would otherwise build for hours)
+MAX_WORLD = 1 << 16
+
+
+def _families() -> str:
+    """'deepseek_v3 (model_type deepseek_v3, deepseek_v2), llama (...), ...'."""
+    from ..targets.config import FAMILY_OF_MODEL_TYPE
+    by_family: dict[str, list[str]] = {}
+    for model_type, family in FAMILY_OF_MODEL_TYPE.items():
+        by_family.setdefault(family, []).append(model_type)
+    return ", ".join(f"{f} (model_type {', '.join(ts)})" for f, ts in sorted(by_family.items()))
+
+
 def _model_config(args):
     from .. import targets
     if args.config:
+        from ..targets.config import FAMILY_OF_MODEL_TYPE
         with open(args.config) as f:
             try:
                 config = json.load(f)
             except ValueError as e:
                 raise ValueError(f"--config {args.config}: not a JSON config: {e}") from None
-        return targets.from_hf_config(config)
-    return getattr(targets, PRESETS[args.model])()
-
-
-def _check_layout_options(args) -> None:
-    """``--src`` / ``--dst`` parsed once up front, so that a bad string is an error naming its option."""
-    from . import layout_strings
-    for option, text in (("--src", args.src), ("--dst", args.dst)):
-        if not text.strip():
-            raise ValueError(f"{option}: empty layout string")
+        if not isinstance(config, dict):
+            raise ValueError(f"--config {args.config}: a JSON {type(config).__name__}, not a config object")
+        model_type = config.get("model_type")
+        if model_type not in FAMILY_OF_MODEL_TYPE:
+            raise ValueError(f"--config {args.config}: model_type {model_type!r} is of no family this tool knows; "
+                             f"the families there are: {_families()}")
+        bad = [k for k in REQUIRED_CONFIG_FIELDS
+               if not (type(config.get(k)) is int and config[k] >= 1)]
+        if bad:
+            raise ValueError(f"--config {args.config}: " + ", ".join(
+                f"{k} {'missing' if k not in config else repr(config[k])}" for k in bad)
+                + f"; a {model_type} config.json gives each of {', '.join(REQUIRED_CONFIG_FIELDS)} as a whole "
+                "number >= 1")
         try:
-            layout_strings.parse(text)
+            return targets.from_hf_config(config)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"--config {args.config}: {type(e).__name__}: {e}") from None
+    return model_preset(args.model)
+
+
+def _model_name(args) -> str:
+    return args.config if args.config else args.model
+
+
+def _check_layout_options(args) -> dict:
+    """``--src`` / ``--dst`` parsed once up front, so that a bad string is an error naming its
+    option and the bad part (the grammar: :data:`.layout_strings.GRAMMAR`): option -> LayoutSpec."""
+    from . import layout_strings
+    specs = {}
+    for option, text in (("--src", args.src), ("--dst", args.dst)):
+        try:
+            specs[option] = spec = layout_strings.parse(text)
+            world = spec.world()
+        except ValueError as e:
+            raise ValueError(f"{option} {text!r}: {e}") from None
+        if world > MAX_WORLD:
+            raise ValueError(f"{option} {text!r}: {world:,} ranks; this tool plans at most {MAX_WORLD:,}")
+    return specs
+
+
+def _synthetic_sizes(args) -> None:
+    """The synthetic model's layouts take Megatron strings only: each option checked on its own."""
+    from .synthetic import parse_parallel
+    for option, text in (("--src", args.src), ("--dst", args.dst)):
+        try:
+            parse_parallel(text)
         except ValueError as e:
             raise ValueError(f"{option} {text!r}: {e}") from None
 
 
+def _source_fits(args, spec, cfg) -> None:
+    """A Megatron source's expert parallelism against its world and its layers against its pipeline
+    stages, checked before anything is built; a ValueError naming the fix, with numbers for ``cfg``."""
+    from . import layout_fixes, layout_strings
+    sizes = layout_strings.megatron_sizes(spec)
+    fix = layout_fixes.expert_dp_fix(sizes)
+    if fix:
+        raise ValueError(f"--src {args.src!r}: world {sizes.world} = tp*pp*cp*dp is not a multiple of "
+                         f"etp*ep*pp = {sizes.etp}*{sizes.ep}*{sizes.pp}; fits: {fix}")
+    layers = cfg.num_hidden_layers
+    fix = layout_fixes.stage_fix(layers, spec)
+    if fix:
+        what = (f"{layers} layers do not divide over pp={sizes.pp} x vpp={sizes.vpp}"
+                if sizes.first_stage_layers is None and sizes.last_stage_layers is None else
+                f"{layers} layers cannot be split as first={sizes.first_stage_layers} "
+                f"last={sizes.last_stage_layers} over pp={sizes.pp}")
+        raise ValueError(f"--src {args.src!r}: {what} ({_model_name(args)}); what fits (first= / last=: layers on "
+                         f"the first / last pipeline stage): {fix}")
+
+
+def _build(option: str, text: str, spec, cfg, args, rank_offset: int, dtype: str):
+    """The layout of ``spec`` for ``cfg``; a size that does not fit the model is an error naming the
+    sizes that do (:func:`.layout_fixes.fix_text`)."""
+    from . import layout_fixes, layout_strings
+    try:
+        return layout_strings.build(spec, cfg, rank_offset, dtype)
+    except ValueError as e:
+        raise ValueError(f"{option} {text!r}: {e}{layout_fixes.fix_text(spec, cfg, _model_name(args))}") from None
+
+
 def _layouts(args, steps):
     """(source, destination) layouts for the plan/explain commands."""
-    _check_layout_options(args)
+    specs = _check_layout_options(args)
     if args.model == "synthetic" and not args.config:
         from .demo import build_layouts
+        _synthetic_sizes(args)
         steps.step("synthetic layouts")
         try:
             return build_layouts(args.src, args.dst, args.colocated, args.scale, args.dtype, args.dst_dtype)
         except ValueError as e:   # the builder sees both strings: name the options it was given
             raise ValueError(f"--src {args.src!r} / --dst {args.dst!r}: {e}") from None
-    from . import layout_strings
     cfg = _model_config(args)
-    src_spec, dst_spec = layout_strings.parse(args.src), layout_strings.parse(args.dst)
+    src_spec, dst_spec = specs["--src"], specs["--dst"]
     if src_spec.engine != "megatron":
-        raise ValueError(f"the source must be a Megatron layout, got {args.src!r}")
-    what = args.model if not args.config else args.config
-    steps.step(f"source layout {args.src} of {what}")
-    src = layout_strings.build(src_spec, cfg, 0, args.dtype)
+        raise ValueError(f"--src {args.src!r}: the source must be a Megatron layout (e.g. 'tp=2,pp=2'), "
+                         f"not {src_spec.engine}")
+    _source_fits(args, src_spec, cfg)
+    steps.step(f"source layout {args.src} of {_model_name(args)}")
+    src = _build("--src", args.src, src_spec, cfg, args, 0, args.dtype)
     offset = 0 if args.colocated else src_spec.world()
     steps.step(f"destination layout {args.dst}")
-    dst = layout_strings.build(dst_spec, cfg, offset, args.dst_dtype or args.dtype)
+    dst = _build("--dst", args.dst, dst_spec, cfg, args, offset, args.dst_dtype or args.dtype)
     return src, dst
 
 
-def _gather_broadcast_bytes(plan) -> int:
+def _gather_broadcast_bytes(plan, traffic) -> int:
     """What a Bridge-style export moves: every destination rank receives whole tensors for each
-    tensor it holds a piece of (after a gather on the source side, not counted)."""
-    need: dict[int, set] = {}
-    for c in list(plan.local_copies) + [c for m in plan.messages for c in m.entries]:
-        need.setdefault(c.dst, set()).add(c.tensor)
-    from ..core.layout import itemsize
-    total = 0
-    for r, names in need.items():
-        for n in names:
-            meta = plan.tensors[n]
-            numel = 1
-            for d in meta["shape"]:
-                numel *= d
-            total += numel * itemsize(meta["src_dtype"])
-    return total
+    tensor it holds a piece of (after a gather on the source side, not counted): the plan's
+    :func:`~mcore_reshard.core.planner.plan_traffic` ``received_bytes``."""
+    return traffic.received_bytes
 
 
 def _plan(args):
@@ -130,16 +209,18 @@ def _plan(args):
     from ..util.progress import Steps
     synthetic = args.model == "synthetic" and not args.config
     with Steps(3 if synthetic else 4, args.command) as steps:
+        t0, c0 = time.perf_counter(), time.process_time()
         src, dst = _layouts(args, steps)
+        args.layouts_s, args.layouts_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         steps.step(f"planning {len(src.tensors)} tensors, {len(src.ranks)} -> {len(dst.ranks)} ranks")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         topology = None
         if getattr(args, "two_level", False):
             from .costmodel import preset
             topology = preset(args.hardware).topology       # its NVLink domain size
         plan = make_plan(src, dst, budget_bytes=int(args.budget_mib * (1 << 20)),
                          allow_cast=args.dst_dtype not in (None, args.dtype), ignore_unused=True, topology=topology)
-        seconds = time.perf_counter() - t0
+        seconds, args.plan_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         steps.step("summary")
     return src, dst, plan, seconds
 
@@ -179,12 +260,20 @@ def _write(args, plan) -> None:
 
 
 def cmd_plan(args) -> int:
+    from ..core.gcpause import paused_gc
+    with paused_gc():       # layouts, plan and report: millions of acyclic objects, no garbage cycles
+        return _cmd_plan(args)
+
+
+def _cmd_plan(args) -> int:
     if getattr(args, "fp8", None):
         return cmd_plan_fp8(args)
     src, dst, plan, seconds = _plan(args)
+    from ..core.planner import plan_traffic
     s = plan.stats
     _header(args, src, dst, plan)
-    gb = _gather_broadcast_bytes(plan)
+    traffic = plan_traffic(plan)        # totals only: a templated plan's copies are never made
+    gb = _gather_broadcast_bytes(plan, traffic)
     print(f"gather+broadcast   {gb:,} B to destinations ({gb / max(1, s['network_bytes'] + s['local_bytes']):.2f}x this plan's bytes)")
     senders = max(1, sum(1 for v in s["sent_bytes"].values() if v))
     receivers = max(1, sum(1 for v in s["recv_bytes"].values() if v))
@@ -197,29 +286,33 @@ def cmd_plan(args) -> int:
         print(f"two-level          NIC {s['nic_bytes']:,} B (hierarchical bound {s['hierarchical_bound_bytes']:,}), "
               f"NVLink {s['nvlink_bytes']:,} B, forwarded {s['forwarded_bytes']:,} B (domains of "
               f"{preset(args.hardware).gpus_per_domain})")
-    pred = predict(plan, preset(args.hardware))
+    pred = predict(plan, preset(args.hardware), traffic=traffic, with_paced=False)
     print(f"predicted refit    {pred['seconds']:.3f} s on {args.hardware} (link-bound limit {pred['link_bound_s']:.3f} s)")
-    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s")
+    print(f"plan hash          {plan.hash[:16]}  built in {seconds:.3f} s ({args.plan_cpu_s:.3f} s CPU) from "
+          f"layouts built in {args.layouts_s:.3f} s ({args.layouts_cpu_s:.3f} s CPU)")
     if args.heatmap:
-        _heatmap(plan, args.heatmap)
+        _heatmap(plan.ranks, traffic, args.heatmap)
         print(f"traffic heatmap written to {args.heatmap}")
     _write(args, plan)
     return 0
 
 
-def _heatmap(plan, path: str) -> None:
-    """Sender x receiver bytes of a plan as a PNG (matplotlib, Agg)."""
+def _heatmap(ranks: list[int], traffic, path: str) -> None:
+    """Sender x receiver bytes of a plan (its :func:`~mcore_reshard.core.planner.plan_traffic`) as a
+    PNG (matplotlib, Agg)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    ranks = plan.ranks
-    pos = {r: i for i, r in enumerate(ranks)}
+
+    from .costmodel import parts_arrays
+    pos = np.full(traffic.span, -1)
+    pos[ranks] = np.arange(len(ranks))
     grid = np.zeros((len(ranks), len(ranks)))
-    for m in plan.messages:
-        grid[pos[m.src], pos[m.dst]] += sum(c.nbytes for c in m.entries)
-    for c in plan.local_copies:
-        grid[pos[c.src], pos[c.dst]] += c.nbytes
+    parts = parts_arrays(traffic)
+    np.add.at(grid, (pos[parts.src], pos[parts.dst]), parts.payload)
+    for (s, d), n in traffic.local_bytes.items():
+        grid[pos[s], pos[d]] += n
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(grid, cmap="viridis", interpolation="nearest")
     ax.set_xlabel("receiving rank")
@@ -252,9 +345,10 @@ def cmd_explain(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    _check_layout_options(args)
+    _synthetic_sizes(args)
     from .demo import demo_worker, world_needed
     from .launch import spawn
-    _check_layout_options(args)
     world = world_needed(args.src, args.dst, args.colocated)
     from ..util.progress import Steps
     with Steps(2, "demo") as steps:
@@ -285,12 +379,33 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def _add_global_args(p: argparse.ArgumentParser, default) -> None:
+    """The options every command takes, before or after its name (``mcore-reshard --progress never
+    plan ...`` = ``mcore-reshard plan ... --progress never``): on the main parser with their default,
+    on each subparser with ``argparse.SUPPRESS`` (given there, it overrides; not given, the main
+    parser's value stands)."""
+    p.add_argument("--progress", choices=["auto", "always", "never"], default=default,
+                   help="progress bars on stderr: auto = only on a terminal (default; also "
+                        "MCORE_RESHARD_PROGRESS), always, never")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``mcore-reshard`` command.  Third-party notices no one can act on (:mod:`..util.notices`)
+    go to a log file, one line at the end says where; every other warning shows."""
+    from ..util import notices
+    with notices.captured() as kept:
+        try:
+            return _main(argv)
+        finally:
+            line = kept.summary()
+            if line:
+                print(f"[mcore-reshard] {line}", file=sys.stderr)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="mcore-reshard", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--progress", choices=["auto", "always", "never"], default=None,
-                        help="progress bars on stderr: auto = only on a terminal (default; also "
-                             "MCORE_RESHARD_PROGRESS), always, never")
+    _add_global_args(parser, None)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="reshard a synthetic model on local gloo processes and check it bit for bit")
     _add_layout_args(p)
@@ -320,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
     from .bench import add_bench_parser
     add_bench_parser(sub)
+    for p in sub.choices.values():      # global options also after the subcommand
+        _add_global_args(p, argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from ..util import progress
     if args.progress:

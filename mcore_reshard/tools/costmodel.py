@@ -2,7 +2,9 @@
 
 Pure Python, no torch.  A :class:`Hardware` says how fast each GPU's links are and how large an
 NVLink domain is (its :attr:`~Hardware.topology`: the planner's own
-:class:`~mcore_reshard.core.planner.Topology`, the one rank -> domain map); :func:`predict` walks a :class:`~mcore_reshard.core.planner.Plan` round by round::
+:class:`~mcore_reshard.core.planner.Topology`, the one rank -> domain map); :func:`predict` takes a plan round by round, from
+its traffic totals (:func:`~mcore_reshard.core.planner.plan_traffic`: a templated plan's copies are never made; summed
+per (round, rank) with numpy where it imports, :func:`round_times`)::
 
     round time = max over ranks r of ( max(NIC out_r, NIC in_r) / nic_bw,
                                        max(NVLink out_r, NVLink in_r) / nvlink_bw )   (links overlap)
@@ -34,9 +36,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
+from ..core.gcpause import paused_gc
 from ..core.planner.topology import Topology as PlannerTopology
+from ..core.planner.traffic import PlanTraffic, plan_traffic
 
 GB = 1e9
 
@@ -167,10 +171,11 @@ def _payload(m) -> int:
     return sum(c.nbytes for c in m.entries)
 
 
-def _local_time(plan, topo: Hardware) -> float:
-    local = defaultdict(int)
-    for c in plan.local_copies:
-        local[c.dst] += c.nbytes
+def _local_time(traffic: PlanTraffic, topo: Hardware) -> float:
+    """The slowest rank's local copies (read + write at HBM speed)."""
+    local: dict[int, int] = defaultdict(int)
+    for (_, d), n in traffic.local_bytes.items():
+        local[d] += n
     return max((2 * b / topo.hbm_bw for b in local.values()), default=0.0)
 
 
@@ -246,29 +251,178 @@ def paced(plan, topo: Hardware, pipelined: bool = True) -> float:
     return max(clock.values(), default=0.0)
 
 
-def predict(plan, topo: Hardware) -> dict:
-    """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round);
-    ``paced_s``: the same with each rank at its own pace (:func:`paced`)."""
+def predict(plan, topo: Hardware, *, traffic: PlanTraffic | None = None, with_paced: bool = True,
+            vectorised: bool | None = None) -> dict:
+    """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round),
+    from its traffic totals (:func:`~mcore_reshard.core.planner.plan_traffic`, or ``traffic`` when
+    given: a templated plan's copies are never made); ``paced_s`` (``with_paced``): the same with
+    each rank at its own pace (:func:`paced`, which walks the plan's messages and local copies).
+    ``vectorised``: as :func:`round_times` (False: no numpy; the same numbers)."""
+    tr = plan_traffic(plan) if traffic is None else traffic
+    parts = None if vectorised is False else parts_arrays(tr)
+    times, posted = round_times(tr, topo, vectorised=vectorised, parts=parts)
+    per_round = [t + topo.round_latency_s for t in times]
+    local_s = _local_time(tr, topo)
+    out = {"topology": topo.name, "seconds": local_s + sum(per_round)}
+    if with_paced:
+        out["paced_s"] = paced(plan, topo)
+    totals = _totals(tr, topo, posted, parts)
+    return {**out, "local_s": local_s, "rounds": len(per_round), "round_s": per_round,
+            "link_bound_s": totals.link_time(topo), **totals.summary()}
+
+
+#: (round, rank) cells :func:`round_times` sums at once (more rounds go in windows)
+ROUND_CELLS = 1 << 22
+
+
+class Parts(NamedTuple):
+    """A plan's message parts as numpy arrays (:func:`parts_arrays`): per part its round, sender,
+    receiver, bytes on the wire and unstaged flag."""
+    rounds: Any
+    src: Any
+    dst: Any
+    payload: Any
+    unstaged: Any
+
+
+def parts_arrays(tr: PlanTraffic) -> Parts | None:
+    """``tr``'s parts as numpy arrays, group by group (the instances of one template side by side:
+    rank lookups and rounds as 2-D arrays; nothing per part in Python); None without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    cols: list[list] = [[], [], [], [], []]
+    for g in tr.groups:
+        if not g.copies:
+            continue
+        src, dst = np.asarray(g.src, dtype=np.int64), np.asarray(g.dst, dtype=np.int64)
+        pay, unstaged = np.asarray(g.payload, dtype=np.int64), np.asarray(g.unstaged, dtype=bool)
+        by_len: dict[int, list] = defaultdict(list)
+        for ranks, rounds in g.copies:
+            by_len[len(ranks)].append((ranks, rounds))
+        for copies in by_len.values():
+            ranks = np.array([r for r, _ in copies], dtype=np.int64).reshape(len(copies), -1)
+            rounds = np.array([k for _, k in copies], dtype=np.int64).reshape(len(copies), len(src))
+            cols[0].append(rounds.ravel())
+            cols[1].append(ranks[:, src].ravel())
+            cols[2].append(ranks[:, dst].ravel())
+            cols[3].append(np.tile(pay, len(copies)))
+            cols[4].append(np.tile(unstaged, len(copies)))
+    types = (np.int64, np.int64, np.int64, np.int64, bool)
+    return Parts(*(np.concatenate(c) if c else np.zeros(0, dtype=t) for c, t in zip(cols, types)))
+
+
+def _summed(np, index, weights, mask, cells: int):
+    """Per cell, the sum of ``weights`` of the masked entries at ``index`` (int64, exact: float
+    weights only where every partial sum is an exact float64)."""
+    if not mask.any():
+        return np.zeros(cells, dtype=np.int64)
+    if int(weights[mask].sum()) < 1 << 53:
+        return np.bincount(index[mask], weights=weights[mask], minlength=cells).astype(np.int64)
+    acc = np.zeros(cells, dtype=np.int64)
+    np.add.at(acc, index[mask], weights[mask])
+    return acc
+
+
+def round_times(tr: PlanTraffic, topo: Hardware, *, vectorised: bool | None = None,
+                parts: Parts | None = None) -> tuple[list[float], dict]:
+    """Per round with messages, in round order, :meth:`Traffic.time` of its messages (no round
+    latency), and the messages each rank posts in all; from the per-(round, rank) totals of the
+    parts (integers: exact in any order).  Vectorised with numpy (:func:`parts_arrays`; the same
+    floats, operation for operation) where it imports, unless ``vectorised=False``: a loop over the
+    parts."""
+    if vectorised is not False and parts is None:
+        parts = parts_arrays(tr)
+    if vectorised is False or parts is None:
+        return _round_times_python(tr, topo)
+    return _round_times_numpy(tr, topo, parts)
+
+
+@paused_gc()
+def _round_times_python(tr: PlanTraffic, topo: Hardware) -> tuple[list[float], dict]:
     rounds: dict[int, Traffic] = defaultdict(Traffic)
-    total = Traffic()
-    for m in plan.messages:
-        n, staged = _payload(m), not getattr(m, "unstaged", False)
-        rounds[m.round].add(topo, m.src, m.dst, n, staged=staged)
-        total.add(topo, m.src, m.dst, n, staged=staged)
-    local_s = _local_time(plan, topo)
-    per_round = [rounds[k].time(topo) + topo.round_latency_s for k in sorted(rounds)]
-    return {"topology": topo.name, "seconds": local_s + sum(per_round), "paced_s": paced(plan, topo), "local_s": local_s,
-            "rounds": len(per_round), "round_s": per_round, "link_bound_s": link_bound(plan, topo),
-            **total.summary()}
+    seen: set = set()
+    for k, s, d, n, unstaged in tr.parts():
+        if tr.merged and (k, s, d) in seen:         # a further part of a message: its bytes only
+            rounds[k].add(topo, s, d, n, messages=0, staged=not unstaged)
+            continue
+        seen.add((k, s, d))
+        rounds[k].add(topo, s, d, n, staged=not unstaged)
+    posted: dict[int, int] = defaultdict(int)
+    for t in rounds.values():
+        for r, c in t.msgs.items():
+            posted[r] += c
+    return [rounds[k].time(topo) for k in sorted(rounds)], dict(posted)
 
 
-def link_bound(plan, topo: Hardware) -> float:
-    """Floor for the same placement: every rank's total bytes per link class / bandwidth, no
-    rounds, no latency, no pack/unpack."""
+def _round_times_numpy(tr: PlanTraffic, topo: Hardware, parts: Parts) -> tuple[list[float], dict]:
+    import numpy as np
+    k, s, d, n, unstaged = parts.rounds, parts.src, parts.dst, parts.payload, parts.unstaged
+    span = tr.span
+    if not len(k):
+        return [], {}
+    seen = np.bincount(k) > 0
+    present = np.flatnonzero(seen)                       # the rounds with messages, in order
+    ridx = (np.cumsum(seen) - 1)[k]                      # each part's position among them
+    dom = np.array([topo.domain(r) for r in range(span)])
+    nvlink = dom[s] == dom[d]
+    nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
+    lat, hbm = topo.msg_latency_s, topo.hbm_bw
+    step = max(1, ROUND_CELLS // span)
+    out: list[float] = []
+    posted_by_rank = np.zeros(span, dtype=np.int64)
+    for first in range(0, len(present), step):
+        rows = min(step, len(present) - first)
+        cells = rows * span
+        inside = np.ones(len(k), dtype=bool) if rows == len(present) else (ridx >= first) & (ridx < first + rows)
+        cs, cd = (ridx - first) * span + s, (ridx - first) * span + d       # cell of the sender / receiver
+        over, under = inside & nvlink, inside & ~nvlink
+        vo, vi = _summed(np, cs, n, over, cells), _summed(np, cd, n, over, cells)
+        no, ni = _summed(np, cs, n, under, cells), _summed(np, cd, n, under, cells)
+        packed = (no + ni + vo + vi - _summed(np, cs, n, inside & unstaged, cells)
+                  - _summed(np, cd, n, inside & unstaged, cells))
+        if tr.merged:       # one message per (round, sender, receiver)
+            keys = np.sort(cs[inside] * span + d[inside])
+            first_of = np.ones(len(keys), dtype=bool)
+            first_of[1:] = keys[1:] != keys[:-1]
+            messages = keys[first_of] // span
+        else:
+            messages = cs[inside]
+        posted = np.bincount(messages, minlength=cells)
+        posted_by_rank += posted.reshape(rows, span).sum(axis=0)
+        t = np.maximum(np.maximum(no, ni) / nic, np.maximum(vo, vi) / nvl) + (lat * posted + 2 * packed / hbm)
+        out += t.reshape(rows, span).max(axis=1).tolist()
+    return out, {r: int(c) for r, c in enumerate(posted_by_rank.tolist()) if c}
+
+
+def _totals(tr: PlanTraffic, topo: Hardware, posted: dict | None = None, parts: Parts | None = None) -> Traffic:
+    """All rounds merged: bytes per rank and link class (from ``parts``, else
+    :meth:`PlanTraffic.pair_bytes`), messages each rank posts (``posted``: rank -> messages, from
+    :func:`round_times`), no pack / unpack."""
     t = Traffic()
-    for m in plan.messages:
-        t.add(topo, m.src, m.dst, _payload(m))
-    return t.link_time(topo)
+    if parts is None:
+        for (s, d), n in tr.pair_bytes().items():
+            t.add(topo, s, d, n, messages=0, staged=False)
+    elif len(parts.src):
+        import numpy as np
+        dom = np.array([topo.domain(r) for r in range(tr.span)])
+        nvlink = dom[parts.src] == dom[parts.dst]
+        for mask, out, into in ((nvlink, t.nvl_out, t.nvl_in), (~nvlink, t.nic_out, t.nic_in)):
+            for totals, index in ((out, parts.src), (into, parts.dst)):
+                sums = _summed(np, index, parts.payload, mask, tr.span).tolist()
+                for r in np.flatnonzero(np.bincount(index[mask], minlength=tr.span)).tolist():
+                    totals[r] = sums[r]
+    for r, count in (posted or {}).items():
+        t.msgs[r] += count
+    return t
+
+
+def link_bound(plan, topo: Hardware, *, traffic: PlanTraffic | None = None) -> float:
+    """Floor for the same placement: every rank's total bytes per link class / bandwidth, no
+    rounds, no latency, no pack/unpack (from the per-rank totals, ``traffic`` when given)."""
+    tr = plan_traffic(plan) if traffic is None else traffic
+    return _totals(tr, topo, None, parts_arrays(tr)).link_time(topo)
 
 
 def hierarchical(plan, topo: Hardware) -> dict:
@@ -308,7 +462,10 @@ def hierarchical(plan, topo: Hardware) -> dict:
     for s, _ in pairs:
         direct.msgs[s] += 1
     rounds = max(plan.rounds, 1)
-    return {"seconds": _local_time(plan, topo) + direct.time(topo) + rounds * topo.round_latency_s,
+    local = PlanTraffic(local_bytes=defaultdict(int))      # (the messages were walked above)
+    for c in plan.local_copies:
+        local.local_bytes[(c.src, c.dst)] += c.nbytes
+    return {"seconds": _local_time(local, topo) + direct.time(topo) + rounds * topo.round_latency_s,
             "link_bound_s": direct.link_time(topo), "nic_bytes_saved": saved, **direct.summary()}
 
 

@@ -24,7 +24,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch.multiprocessing as mp
+from ..util import notices
+
+if os.environ.get(notices.ENV):     # a launched rank of a run that keeps third-party notices in a log:
+    notices.capture()               # from here on, before torch is imported (util/notices.py)
+
+import torch.multiprocessing as mp  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ kept its bytes (``join_refit`` / FP8: the tensors given; ``export_hf``: no index
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import tempfile
@@ -21,13 +22,13 @@ NUM = {"nan": math.nan, "inf": math.inf, "negative": -1, "zero": 0, "string": "8
 
 def export_table() -> list[tuple[str, str, str]]:
     rows = [("export_hf", "model_chunks", k) for k in ("none", "string", "empty_everywhere")]
-    rows += [("export_hf", "out_dir", k) for k in ("none", "int", "a_file", "unwritable")]
+    rows += [("export_hf", "out_dir", k) for k in ("none", "int", "a_file", "unwritable", "being_written")]
     rows += [("export_hf", "group", k) for k in ("string", "int")]
     rows += [("export_hf", "on_rank", k) for k in ("negative", "too_big", "string", "nan", "bool")]
     rows += [("export_hf", "dtype", k) for k in ("unknown", "int", "bool_dtype")]
     rows += [("export_hf", "family", k) for k in ("unknown", "int")]
     rows += [("export_hf", "vocab_size", k) for k in ("negative", "zero", "nan", "string", "larger")]
-    rows += [("export_hf", "memory_bytes", k) for k in ("nan", "negative", "zero", "string")]
+    rows += [("export_hf", "memory_bytes", k) for k in ("nan", "negative", "zero", "string", "one")]
     rows += [("export_hf", "budget_bytes", k) for k in ("nan", "negative", "string")]
     rows += [("export_hf", "timeout", k) for k in ("nan", "negative", "string")]
     return rows
@@ -63,7 +64,8 @@ def _export_value(arg, kind, rank, tmp):
     if arg == "out_dir":
         path = os.path.join(tmp, "a_file")
         open(path, "w").close()
-        return {"none": None, "int": 3, "a_file": path, "unwritable": "/proc/mcore-reshard-no"}[kind]
+        return {"none": None, "int": 3, "a_file": path, "unwritable": "/proc/mcore-reshard-no",
+                "being_written": os.path.join(tmp, "busy")}[kind]
     if arg == "group":
         return {"string": "world", "int": 0}[kind]
     if arg == "on_rank":
@@ -74,6 +76,8 @@ def _export_value(arg, kind, rank, tmp):
         return {"unknown": "nosuchfamily", "int": 3}[kind]
     if arg == "vocab_size":
         return {"negative": -1, "zero": 0, "nan": math.nan, "string": "x", "larger": 1 << 20}[kind]
+    if arg == "memory_bytes" and kind == "one":
+        return 1                      # accepted: every tensor a shard file of its own
     if arg in ("memory_bytes", "budget_bytes", "timeout", "window_bytes"):
         return NUM[kind]
     raise AssertionError((arg, kind))
@@ -133,9 +137,19 @@ def collective_cases(rank: int, world: int) -> dict:
                 args[2] = v
             else:
                 kw[arg] = v
+            holder = None
+            if kind == "being_written" and rank == 0:    # another writer owns the directory meanwhile
+                from mcore_reshard.util.owned_dir import OwnedDirectory
+                holder = OwnedDirectory(args[1], what="another export").acquire()
             o = record(lambda: export_hf(*args, **kw) and None)
-            o["dst_untouched"] = not (isinstance(args[1], str)
-                                      and os.path.exists(os.path.join(args[1], "model.safetensors.index.json")))
+            if holder is not None:
+                holder.abort()
+            index = os.path.join(args[1], "model.safetensors.index.json") if isinstance(args[1], str) else ""
+            o["dst_untouched"] = not os.path.exists(index)
+            if o["type"] is None and kind == "one" and rank == 0:    # the writer's directory: one tensor per shard file
+                files = list(json.load(open(index))["weight_map"].values())
+                if len(set(files)) != len(files):
+                    o.update(type="WrongResult", mro=["WrongResult"], error=f"{len(files)} tensors in {len(set(files))} files")
         elif api == "join_refit":
             S, D = cut(src, rank, full), cut(dst, rank, full, fill=7)
             before = snapshot(D)

@@ -230,15 +230,15 @@ def stalled_peer(rank: int, world: int, out_path: str) -> dict:
     timeout_s = r.timeout_s
     dist.barrier()
     if rank == 1:
-        import mcore_reshard.core.executor.transfer as transfer
-        orig = transfer.round_overlapped if r.overlapped() else transfer.round_batched
+        import mcore_reshard.core.executor.rounds as rounds  # what the point-to-point transports call
+        orig = rounds.round_overlapped if r.overlapped() else rounds.round_batched
 
         def stop(*a, **kw):
             with open(out_path, "w") as f:
                 f.write(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
             return orig(*a, **kw)
-        transfer.round_overlapped = transfer.round_batched = stop
+        rounds.round_overlapped = rounds.round_batched = stop
     t0 = time.monotonic()
     o = outcome(lambda: r.refit()["version"])
     o.update(elapsed=time.monotonic() - t0, timeout_s=timeout_s)

@@ -9,7 +9,9 @@ gathers from the parameters' own TP attributes (independent of ``layouts/*.toml`
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import torch
 from hf_refit_worker import HAND_MAP as RENAMES  # Megatron -> HF name pieces, written by hand
@@ -87,23 +89,160 @@ def export_scenarios(rank: int, world: int, cases: list, out_root: str) -> list:
                     for k, t in full.items()}
         res = {"expected": checkpoint_expected(full, chunks[0].config, case["model"])}
         out_dir = os.path.join(out_root, case["id"])
+        if case.get("concurrent"):
+            results.append(_concurrent_exports(rank, chunks, out_dir, tokens))
+            mcore_cpu.destroy_megatron()
+            continue
         if case.get("block_shard") and rank == case.get("on_rank", 0):
-            for n in range(case["block_shard"], 100):   # a directory where shard k of n goes: writing it fails
-                os.makedirs(os.path.join(out_dir, f"model-{case['block_shard']:05d}-of-{n:05d}.safetensors"))
+            _previous_contents(out_dir)
+        blocked = _blocking_shard(case["block_shard"]) if case.get("block_shard") and rank == case.get("on_rank", 0) \
+            else contextlib.nullcontext()
+        if not case.get("refused"):
+            res["logits"] = mcore_cpu.forward_logits(chunks, tokens)[..., :vocab]   # Megatron's own, every rank
+            res["tokens"] = tokens
+        if case.get("hidden"):      # a setting no transformers config expresses: refused ...
+            res["error"] = _export_error(chunks, out_dir + "_refused")
+            _hide(chunks, case["hidden"])   # ... and what the export wrote when the mapping dropped it
         try:
-            res["stats"] = export_hf(chunks, out_dir, on_rank=case.get("on_rank", 0), vocab_size=vocab,
-                                     memory_bytes=case.get("memory_bytes", 1 << 30),
-                                     budget_bytes=case.get("budget_bytes", 256 << 20), timeout=120)
+            with blocked:
+                res["stats"] = export_hf(chunks, out_dir, on_rank=case.get("on_rank", 0), vocab_size=vocab,
+                                         memory_bytes=case.get("memory_bytes", 1 << 30),
+                                         budget_bytes=case.get("budget_bytes", 256 << 20), timeout=120)
         except Exception as e:  # noqa: BLE001 - the refusal cases report what every rank raised
             if not case.get("refused"):
                 raise
             res["error"] = f"{type(e).__name__}: {e}"
-        if not case.get("refused"):
-            res["logits"] = mcore_cpu.forward_logits(chunks, tokens)[..., :vocab]   # Megatron's own, every rank
-            res["tokens"] = tokens
         results.append(res)
         mcore_cpu.destroy_megatron()
     return results
+
+
+def _previous_contents(out_dir: str) -> None:
+    """What an earlier export and the user left in ``out_dir`` (an export that fails must not change it)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name, text in (("config.json", '{"previous": true}'), ("model.safetensors.index.json", '{"weight_map": {}}'),
+                       ("tokenizer.json", '{"user": "file"}')):
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+
+
+@contextlib.contextmanager
+def _blocking_shard(k: int):
+    """Writing shard ``k`` fails as if a directory were in its way (injected around safetensors' writer)."""
+    import safetensors.torch
+    orig = safetensors.torch.save_file
+
+    def save_file(tensors, filename, *a, **kw):
+        if os.path.basename(filename).startswith(f"model-{k:05d}-of-"):
+            raise IsADirectoryError(21, "Is a directory", filename)
+        return orig(tensors, filename, *a, **kw)
+    safetensors.torch.save_file = save_file
+    try:
+        yield
+    finally:
+        safetensors.torch.save_file = orig
+
+
+def _wait_for(path: str, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {seconds} s")
+        time.sleep(0.05)
+
+
+def _listing(out_dir: str) -> dict:
+    """Every file of the directory: its shard dtypes (safetensors) or its text."""
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, f)
+        if f.endswith(".safetensors"):
+            with safe_open(path, "pt") as st:
+                out[f] = sorted({str(st.get_slice(k).get_dtype()) for k in st.keys()})
+        else:
+            out[f] = open(path).read()
+    return out
+
+
+def _concurrent_exports(rank: int, chunks, out_dir: str, tokens) -> dict:
+    """Two process groups export into one directory (issue 37): ranks 0-1 (one TP-2 replica) in float32, ranks
+    2-3 (the other) in bfloat16.  Export A (ranks 0-1) writes its first shard, then waits; meanwhile export B
+    (ranks 2-3) into the same directory must be refused on both of its ranks, naming the directory and A's
+    writer.  A then completes.  Then B runs again, alone, and replaces A as a whole (a user's file carried
+    over).  Each rank reports what it saw; the directory after A and after B is listed (dtypes per shard)."""
+    import torch.distributed as dist
+
+    from mcore_reshard import export_hf
+    pids = [None] * 4
+    dist.all_gather_object(pids, os.getpid())
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    first, second = out_dir + ".first_shard_written", out_dir + ".second_export_done"
+    out: dict = {"pids": pids, "logits": mcore_cpu.forward_logits(chunks, tokens), "tokens": tokens}
+    if rank == 0:
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+            f.write('{"user": "file"}')
+    dist.barrier()
+    if rank < 2:
+        import safetensors.torch
+        orig, calls = safetensors.torch.save_file, [0]
+
+        def save_file(*a, **kw):
+            r = orig(*a, **kw)
+            calls[0] += 1
+            if calls[0] == 1:       # A holds the directory, half written: let B try now
+                open(first, "w").close()
+                _wait_for(second)
+            return r
+        safetensors.torch.save_file = save_file
+        try:
+            out["a"] = export_hf(chunks, out_dir, mine, memory_bytes=16 << 10, timeout=120, progress=False)["files"]
+        finally:
+            safetensors.torch.save_file = orig
+        if rank == 0:
+            out["after_a"] = _listing(out_dir)
+    else:
+        _wait_for(first)
+        try:
+            export_hf(chunks, out_dir, mine, dtype=torch.bfloat16, memory_bytes=16 << 10, timeout=120, progress=False)
+            out["b_refused"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the test judges it
+            out["b_refused"] = f"{type(e).__name__}: {e}"
+        dist.barrier(group=mine)
+        if rank == 2:
+            open(second, "w").close()
+    dist.barrier()
+    if rank >= 2:
+        out["b"] = export_hf(chunks, out_dir, mine, dtype=torch.bfloat16, memory_bytes=16 << 10, timeout=120,
+                             progress=False)["files"]
+    dist.barrier()
+    if rank == 0:
+        out["after_b"] = _listing(out_dir)
+        parent, name = os.path.split(out_dir)
+        out["leftovers"] = sorted(f for f in os.listdir(parent) if f.startswith(f".{name}."))
+    return out
+
+
+def _export_error(chunks, out_dir: str) -> str:
+    from mcore_reshard import export_hf
+    try:
+        export_hf(chunks, out_dir, timeout=120, progress=False)
+    except Exception as e:  # noqa: BLE001 - the test judges it
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def _hide(chunks, field: str) -> None:
+    """Set ``field`` back to its default on the model's config after the model was built with another
+    value: the export then sees what a mapping that ignores the field saw (the modules keep computing
+    with the value they were built with)."""
+    import dataclasses
+    cfg = chunks[0].config
+    f = next(f for f in dataclasses.fields(cfg) if f.name == field)
+    for c in chunks:
+        setattr(c.config, field, f.default)
 
 
 # ------------------------------------------------------------------ an HF process that holds no Megatron shard

@@ -30,6 +30,8 @@ class Case(NamedTuple):
     kind: str
     must_refuse: bool
     run: Callable[[], object]
+    strict: bool = False      # a refusal must name the argument even when it is the library's own error
+    must_accept: bool = False  # a value the contract accepts: a refusal is a defect (over-refusal)
 
 
 def record(fn) -> dict:
@@ -39,12 +41,14 @@ def record(fn) -> dict:
         return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "error": str(e)[:800]}
 
 
-def judge(o: dict, argument: str, must_refuse: bool) -> str:
+def judge(o: dict, argument: str, must_refuse: bool, strict: bool = False, must_accept: bool = False) -> str:
+    """``strict``: the library's own error counts only if it names the argument too; ``must_accept``: any
+    error is a defect (the value is one the contract accepts)."""
     if o["type"] is None:
         return "silent" if must_refuse else "ok"
-    own = any(n in OWN for n in o["mro"])
+    own = any(n in OWN for n in o["mro"]) and (not strict or argument in o["error"])
     named = any(n in ("ValueError", "TypeError") for n in o["mro"]) and argument in o["error"]
-    return "refused" if own or named else "DEFECT"
+    return "refused" if (own or named) and not must_accept else "DEFECT"
 
 
 NUMBERS = {"nan": math.nan, "inf": math.inf, "negative": -1, "zero": 0, "string": "8", "bool": True,
@@ -92,6 +96,142 @@ def hf_config_cases() -> list[Case]:
     for kind, v in {"none": None, "string": "config", "empty": {}, "unknown_type": {**good, "model_type": "nosuch"},
                     "no_model_type": {k: x for k, x in good.items() if k != "model_type"}}.items():
         out.append(Case("to_transformers", "config", kind, True, lambda v=v: to_transformers(v)))
+    for kind, v in {"missing": None, "string": "glu_linear_offset=1.0", "list_of_ints": [1]}.items():
+        f = dict(facts)
+        if kind == "missing":
+            del f["unexpressed"]
+        else:
+            f["unexpressed"] = v
+        out.append(Case("hf_config_dict", "facts[unexpressed]", kind, True, lambda f=f: hf_config_dict(f)))
+    return out + megatron_setting_cases()
+
+
+# ------------------------------------------------------------------------------ closed world: every Megatron setting
+
+SAMPLES = {"softmax_type": "learnable", "moe_router_load_balancing_type": "sinkhorn"}   # else _other_value
+
+
+def _other_value(default):
+    """A value other than ``default`` (the config is not re-validated: the mapping reads what the object holds)."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, float):
+        return default + 0.5
+    if isinstance(default, str):
+        return default + "_other"
+    if isinstance(default, (list, tuple)):
+        return [1]
+    return 1 if default is None else "other"
+
+
+def _mla_config():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    return MLATransformerConfig(
+        num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False, layernorm_epsilon=1e-6,
+        q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, kv_channels=16,
+        rope_type="rope", qk_layernorm=True, num_moe_experts=8, moe_router_topk=4, moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=32, moe_layer_freq=[0, 1, 1, 1], moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_pre_softmax=True, mtp_num_layers=1)
+
+
+def megatron_setting_cases() -> list[Case]:
+    """Every field of TransformerConfig (and MLATransformerConfig's own) that the closed-world table
+    (mcore_reshard/sources/megatron_settings.py) does not just read, set to a value other than its default on a
+    config ``hf_config`` accepts: ``refused`` settings must be refused naming the field (strict), ``irrelevant``
+    ones (and ``dormant`` ones, their switch off) must give the same transformers config; a field the table does not
+    know (a newer Megatron-Core) must be refused naming it."""
+    import copy
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcore_reshard.sources.hf_config import hf_config_dict, megatron_facts
+    from mcore_reshard.sources.megatron_settings import SETTINGS
+    out = []
+    gqa, mla = _transformer_config(), _mla_config()
+    plain = {id(c): hf_config_dict(megatron_facts(c, vocab_size=128, rotary_base=10000.0)) for c in (gqa, mla)}
+    gqa_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+
+    def run(base, field, value):
+        def go():
+            cfg = copy.copy(base)
+            object.__setattr__(cfg, field, value)
+            got = hf_config_dict(megatron_facts(cfg, vocab_size=128, rotary_base=10000.0))
+            if got != plain[id(base)]:
+                raise AssertionError(f"{field}={value!r} changed the transformers config")
+            return got
+        return go
+    for f in dataclasses.fields(type(mla)):
+        s = SETTINGS.get(f.name)
+        if s is None or s.kind == "expressed":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        value = SAMPLES.get(f.name, _other_value(default))
+        refuse = s.kind == "refused" or (s.values is not None and value not in s.values)
+        kind = "refused_setting" if refuse else ("dormant_setting" if s.dormant else "irrelevant_setting")
+        base = gqa if f.name in gqa_fields else mla
+        out.append(Case("hf_config (every setting)", f"model[{f.name}]", kind, refuse, run(base, f.name, value),
+                        strict=True, must_accept=not refuse))
+
+    @dataclasses.dataclass
+    class NewerConfig(TransformerConfig):
+        attention_sink_tokens: int = 0
+    newer = NewerConfig(**{f.name: getattr(gqa, f.name) for f in dataclasses.fields(TransformerConfig)
+                           if f.init and not f.name.startswith("_")})
+    plain[id(newer)] = plain[id(gqa)]
+    out.append(Case("hf_config (every setting)", "model[attention_sink_tokens]", "unknown_setting_default", False,
+                    run(newer, "attention_sink_tokens", 0), strict=True, must_accept=True))
+    out.append(Case("hf_config (every setting)", "model[attention_sink_tokens]", "unknown_setting", True,
+                    run(newer, "attention_sink_tokens", 4), strict=True))
+    return out
+
+
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+HF_BAD = {"mlp_bias": True, "attention_bias": True, "quantization_config": {"quant_method": "fp8"},
+          "compression_config": {"format": "int4"}, "topk_method": "random", "qk_head_dim": 999}
+
+
+def hf_field_cases() -> list[Case]:
+    """``targets.from_hf_config`` (the layouts' reader of engine / checkpoint configs), closed-world: for each model
+    type, every field of transformers' default config that the reader does not read set to another value (``ok``,
+    the same ModelConfig: names, tokens, engine math), every required value violated and a field transformers does
+    not know (refused naming the field, strict)."""
+    import transformers
+
+    from mcore_reshard.targets import from_hf_config
+    from mcore_reshard.targets.config import FAMILY_OF_MODEL_TYPE
+    from mcore_reshard.targets.hf_fields import ENGINE_MATH, METADATA, READ, REQUIRE
+    out = []
+    for mt in HF_MODEL_TYPES:
+        default = transformers.AutoConfig.for_model(mt).to_dict()
+        plain = from_hf_config(default)
+        fam = FAMILY_OF_MODEL_TYPE[mt]
+        requires = {**REQUIRE["*"], **REQUIRE.get(mt, {})}
+
+        def same(d, plain=plain):
+            def go():
+                got = from_hf_config(d)
+                if got != plain:
+                    raise AssertionError("another ModelConfig")
+                return got
+            return go
+        for key, value in default.items():
+            if key in READ[fam] or key in requires or key == "model_type" or key.startswith("_"):
+                continue
+            known = key in METADATA or key in ENGINE_MATH      # else a class field the tables do not know: refused
+            out.append(Case(f"from_hf_config {mt}", f"config[{key}]", "unread_field" if known else "unknown_class_field",
+                            not known, same({**default, key: _other_value(value)}), strict=True, must_accept=known))
+        for key in requires:
+            if key == "attention_bias" and mt == "qwen2":
+                continue
+            out.append(Case(f"from_hf_config {mt}", f"config[{key}]", "required_value", True,
+                            same({**default, key: HF_BAD[key]}), strict=True))
+        out.append(Case(f"from_hf_config {mt}", "config[shared_expert_gate_size]", "unknown_field", True,
+                        same({**default, "shared_expert_gate_size": 8}), strict=True))
     return out
 
 

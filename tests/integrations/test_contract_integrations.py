@@ -3,10 +3,14 @@ each public argument of ``hf_config`` and its helpers, ``integrations.protocol``
 extension and weight-transfer engine (their own validation, on a stand-in worker), the SGLang
 loader and the CLI x each class of bad value that applies, in process; ``export_hf``, ``join_refit``
 and FP8 in transit (``Fp8Resharder``) in one 2-rank gloo launch (tests/helpers/collective_contract_workers.py).
+Closed-world, generated from the tables themselves: every ``TransformerConfig`` / ``MLATransformerConfig``
+setting the transformers mapping does not read, set to another value (refused naming it, or the same config),
+and every field of the transformers configs the layouts' reader (``targets.from_hf_config``) meets.
 
 A case passes when it is ``refused`` (the library's own error types, or a ValueError / TypeError
 naming the argument; the CLI: exit code 2 and a message naming the option, no traceback) or
-``ok`` (a value the contract accepts, with a result); a raw KeyError / IndexError /
+``ok`` (a value the contract accepts, with a result; ``strict`` cases: the library's own error must name the
+argument too; ``must_accept`` cases: any error fails); a raw KeyError / IndexError /
 AttributeError / torch error, a message naming nothing, or a bad value accepted (``silent``)
 fails it.  A module fixture prints the counts per API once the module has run (RELIABILITY.md, "Generated contract suite").
 """
@@ -36,18 +40,24 @@ def _ids(cases):
 
 def _check(case, count):
     o = ic.record(case.run)
-    verdict = ic.judge(o, case.argument.split("[")[-1].rstrip("]"), case.must_refuse)
+    verdict = ic.judge(o, case.argument.split("[")[-1].rstrip("]"), case.must_refuse, case.strict, case.must_accept)
     count(case.api, verdict)
     assert verdict in ("refused", "ok"), (verdict, o)
 
 
 HF = ic.hf_config_cases()
+HF_FIELDS = ic.hf_field_cases()
 PROTO = ic.protocol_cases(TMP)
 ENGINES = ic.engine_cases(TMP)
 
 
 @pytest.mark.parametrize("case", HF, ids=_ids(HF))
 def test_hf_config(case, counts):
+    _check(case, counts)
+
+
+@pytest.mark.parametrize("case", HF_FIELDS, ids=_ids(HF_FIELDS))
+def test_hf_config_reader(case, counts):
     _check(case, counts)
 
 
@@ -102,7 +112,8 @@ def _collective_table():
 COLLECTIVE = _collective_table()
 # values the contract accepts: an fp32 source of FP8 in transit (documented: BF16 or fp32 sources), and a
 # source tensor the plan never reads (sources are only read: a model's MTP weights when MTP is not refit)
-COLLECTIVE_ACCEPTED = {("Fp8Resharder", "src", "wrong_dtype"), ("Fp8Resharder", "src", "extra")}
+COLLECTIVE_ACCEPTED = {("Fp8Resharder", "src", "wrong_dtype"), ("Fp8Resharder", "src", "extra"),
+                       ("export_hf", "memory_bytes", "one")}     # documented: one shard per tensor
 
 
 @pytest.mark.multiproc

@@ -49,14 +49,32 @@ CASES = [
     # ~40 MB of weights (hidden 256, 16 experts of 256, vocab 2048) through at most 4 MiB at a time
     {"id": "dsv3_wide_streamed", "model": "dsv3", "src": {"tp": 2, "ep": 2},
      "kw": dict(DSV3, num_experts=16, widths=WIDE), "memory_bytes": 4 << 20, "budget_bytes": 1 << 20},
+    # memory_bytes=1: every tensor a group, and a shard file, of its own (as the docs promise)
+    {"id": "llama_one_tensor_per_shard", "model": "gqa", "src": {"tp": 2}, "memory_bytes": 1},
     # Megatron's embedding and head padded to 192 rows, 100 of them real: the padding is not exported
     {"id": "llama_padded_vocab_tp2", "model": "gqa", "src": {"tp": 2}, "padded_vocab": 192, "vocab_size": 100},
-    # shard 2 cannot be written (a directory is in the way): every rank raises, no index is written
+    # two process groups export into one directory at once (ranks 0-1 fp32, ranks 2-3 bf16): the second is refused
+    {"id": "concurrent_two_groups", "model": "gqa", "src": {"tp": 2}, "concurrent": True},
+    # shard 2 cannot be written (a directory is in the way): every rank raises, out_dir keeps what it held
     {"id": "dsv3_write_fails", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": DSV3, "memory_bytes": 96 << 10,
      "block_shard": 2, "refused": True},
     # topk 2 over 2 of 4 groups: Megatron scores groups by their top 1, transformers by their top 2
     {"id": "dsv3_refused", "model": "dsv3", "src": {"tp": 2, "ep": 2}, "kw": {"mtp": True, "topk": 2}, "refused": True},
 ]
+# Megatron settings that change the forward and that no transformers config here expresses (issue 37): each
+# model is built with the setting; export_hf must refuse it on every rank, naming it; then the setting is hidden
+# from the export (set back to its default on the config: what a mapping that dropped it wrote) and that export's
+# logits must differ from Megatron's -- the refusal is what stops a silently wrong model.
+HIDDEN = [
+    ("glu_linear_offset", "gqa", {"tp": 2}, 1.0),
+    ("activation_func_clamp_value", "gqa", {"tp": 2}, 0.05),
+    ("qk_l2_norm", "gqa", {"tp": 2}, True),
+    ("softmax_type", "gqa", {"tp": 2}, "off-by-one"),       # 'learnable' adds a tensor no family table maps either
+    ("moe_expert_capacity_factor", "qwen3", {"tp": 2, "ep": 2}, 0.5),
+    ("moe_input_jitter_eps", "qwen3", {"tp": 2, "ep": 2}, 0.3),
+]
+CASES += [{"id": f"hidden_{field}", "model": model, "src": src, "kw": {"overrides": {field: value}}, "hidden": field}
+          for field, model, src, value in HIDDEN]
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -78,7 +96,9 @@ def _merged_expected(results, i) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if not c.get("refused")], ids=lambda i: CASES[i]["id"])
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if not (c.get("refused") or c.get("hidden")
+                                                                        or c.get("concurrent"))],
+                         ids=lambda i: CASES[i]["id"])
 def test_exported_directory_loads_with_megatron_logits(exported, i):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -110,13 +130,15 @@ def test_exported_directory_loads_with_megatron_logits(exported, i):
         assert got[f"model.layers.{n}.shared_head.head.weight"] == got["lm_head.weight"]
     if "vocab_size" in case:
         assert on_disk["model.embed_tokens.weight"].shape[0] == case["vocab_size"] == stats["config"]["vocab_size"]
-    if "memory_bytes" in case:
+    if case.get("memory_bytes") == 1:     # one shard per tensor
+        assert len(files) == len(index["weight_map"]) == stats["tensors"], (len(files), len(index["weight_map"]))
+    elif "memory_bytes" in case:
         assert len(files) >= 8 and stats["max_group_bytes"] <= case["memory_bytes"]
         writer = results[case.get("on_rank", 0)][i]["stats"]
         if case["id"] == "dsv3_wide_streamed":   # the writer's memory grew by a few groups, never by the model
             assert stats["total_bytes"] > 40e6 and writer["writer_peak_added_bytes"] is not None
             assert writer["writer_peak_added_bytes"] < 4 * case["memory_bytes"], writer["writer_peak_added_bytes"]
-        assert max(os.path.getsize(os.path.join(out_dir, f)) for f in files) <= case["memory_bytes"] + 16384
+        assert max(os.path.getsize(os.path.join(out_dir, f)) for f in files) <= max(case["memory_bytes"], 1 << 16) + 16384
 
     model, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
     assert info["missing_keys"] == set() or not info["missing_keys"], info["missing_keys"]
@@ -142,9 +164,43 @@ def test_failed_shard_write_raises_on_every_rank(exported):
         err = r[i]["error"]
         assert err.startswith("ReshardError: export_hf: rank 0: writing ") and "/model-00002-of-" in err, err
         assert "Is a directory" in err and "refused" not in err, err
-    left = os.listdir(os.path.join(root, CASES[i]["id"]))
-    assert "model-00001-of-" in " ".join(left)                         # shard 1 was written ...
-    assert "model.safetensors.index.json" not in left and "config.json" not in left   # ... but nothing says complete
+    out_dir = os.path.join(root, CASES[i]["id"])       # as it was before: an earlier export's files and the user's
+    assert {f: open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)} == {
+        "config.json": '{"previous": true}', "model.safetensors.index.json": '{"weight_map": {}}',
+        "tokenizer.json": '{"user": "file"}'}
+    assert [f for f in os.listdir(root) if f.startswith(".dsv3_write_fails.")] == []    # no staging, no lock left
+
+
+@pytest.mark.multiproc
+def test_two_exports_into_one_directory_never_mix(exported):
+    """Issue 37: export A (ranks 0-1, fp32) holds the directory, half written; export B (ranks 2-3, bf16) into the
+    same directory is refused on both of its ranks, naming the directory and A's writer, and leaves nothing; A
+    completes alone (every shard fp32).  B, run again once A returned, replaces A as a whole (every shard bf16,
+    index and config B's, the user's tokenizer.json carried over), leaving no staging directory or lock."""
+    from transformers import AutoModelForCausalLM
+    root, results = exported
+    i = next(i for i, c in enumerate(CASES) if c.get("concurrent"))
+    out_dir = os.path.join(root, CASES[i]["id"])
+    r = [res[i] for res in results]
+    for q in (2, 3):
+        err = r[q]["b_refused"]
+        assert err.startswith("ReshardError: ") and f"{out_dir} is being written by another writer (pid " \
+            f"{r[0]['pids'][0]} on host" in err and "export_hf writing rank 0 of a group of 2" in err, err
+    for listing, dtype, files in ((r[0]["after_a"], "F32", r[0]["a"]), (r[0]["after_b"], "BF16", r[2]["b"])):
+        assert sorted(listing) == sorted(files + ["tokenizer.json"]), sorted(listing)
+        shards = {f: d for f, d in listing.items() if f.endswith(".safetensors")}
+        assert len(shards) >= 8 and all(d == [dtype] for d in shards.values()), shards
+        index = json.loads(listing["model.safetensors.index.json"])
+        assert sorted(set(index["weight_map"].values())) == sorted(shards)
+        assert listing["tokenizer.json"] == '{"user": "file"}'
+    assert json.loads(r[0]["after_b"]["config.json"])["dtype"] == "bfloat16"
+    assert r[0]["leftovers"] == [], r[0]["leftovers"]
+    model, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"], info
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        logits = model.float()(r[2]["tokens"]).logits
+    assert float((logits - r[2]["logits"]).abs().max()) < 0.1     # B's replica, in bf16
 
 
 @pytest.mark.multiproc
@@ -159,10 +215,36 @@ def test_refused_config_raises_on_every_rank_before_writing(exported):
     assert not os.path.exists(os.path.join(root, CASES[i]["id"]))
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if c.get("hidden")], ids=lambda i: CASES[i]["id"])
+def test_setting_no_transformers_config_expresses_is_refused_and_mattered(exported, i):
+    """Refused on every rank before a byte is written, naming the setting and its fix; the export that
+    dropped it loads into a model whose logits differ from Megatron's.  Measured (max abs logit difference,
+    fp32, logits of magnitude ~1; the export's own agreement is ~2e-6): glu_linear_offset=1.0 0.38,
+    activation_func_clamp_value=0.05 0.077, qk_l2_norm 0.21, softmax_type='off-by-one' 0.13,
+    moe_expert_capacity_factor=0.5 0.016, moe_input_jitter_eps=0.3 0.022."""
+    from transformers import AutoModelForCausalLM
+
+    root, results = exported
+    case = CASES[i]
+    field = case["hidden"]
+    for r in results:
+        err = r[i]["error"]
+        assert err.startswith("ReshardError: export_hf: reading the model failed: ") and "HFConfigError" in err, err
+        assert f"{field}=" in err and f"closest fix: {field}" in err, err
+    assert not os.path.exists(os.path.join(root, case["id"] + "_refused"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, case["id"])).eval()
+    tokens, want = results[0][i]["tokens"], results[0][i]["logits"]
+    with torch.no_grad():
+        diff = float((model(tokens).logits.float() - want).abs().max())
+    assert diff > 5e-3, (field, diff)     # 50x the export's own tolerance (1e-4; observed ~2e-6)
+
+
 # ------------------------------------------------------------------ hf_config on plain TransformerConfigs
 
-def _config(kind: str, **over):
-    """The tiny test models' TransformerConfigs (as mcore_cpu builds them), with overrides."""
+def _config(kind: str, cls=None, **over):
+    """The tiny test models' TransformerConfigs (as mcore_cpu builds them), with overrides (``cls``: another
+    config class than the model's)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, normalization="RMSNorm", gated_linear_unit=True,
@@ -176,7 +258,7 @@ def _config(kind: str, **over):
                     moe_router_pre_softmax=True, mtp_num_layers=1, moe_router_load_balancing_type="seq_aux_loss",
                     moe_aux_loss_coeff=0.0)
         base.update(over)
-        return MLATransformerConfig(**base)
+        return (cls or MLATransformerConfig)(**base)
     base.update(num_attention_heads=8, num_query_groups=4)
     if kind == "qwen3":
         base.update(kv_channels=16, qk_layernorm=True, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
@@ -184,7 +266,7 @@ def _config(kind: str, **over):
     else:
         base.update(kv_channels=8)
     base.update(over)
-    return TransformerConfig(**base)
+    return (cls or TransformerConfig)(**base)
 
 
 def _hand_written(kind: str, cfg):
@@ -253,6 +335,24 @@ REFUSALS = [  # (model, overrides, the setting and value the error must name, th
     ("gqa", dict(window_size=(8, 0)), "window_size=[8, 0]", "window_size=None"),
     ("gqa", dict(apply_residual_connection_post_layernorm=True), "apply_residual_connection_post_layernorm=True",
      "apply_residual_connection_post_layernorm=False"),
+    # closed-world (mcore_reshard/sources/megatron_settings.py): settings the mapping neither expresses nor
+    # proves irrelevant to the forward
+    ("gqa", dict(glu_linear_offset=1.0), "glu_linear_offset=1.0", "glu_linear_offset=0.0"),
+    ("gqa", dict(activation_func_clamp_value=7.0), "activation_func_clamp_value=7.0", "activation_func_clamp_value=None"),
+    ("gqa", dict(qk_l2_norm=True), "qk_l2_norm=True", "qk_l2_norm=False"),
+    ("gqa", dict(softmax_type="learnable"), "softmax_type='learnable'", "softmax_type='vanilla'"),
+    ("gqa", dict(softmax_type="off-by-one"), "softmax_type='off-by-one'", "softmax_type='vanilla'"),
+    ("qwen3", dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor=1.0", "moe_expert_capacity_factor=None"),
+    ("qwen3", dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps=0.01", "moe_input_jitter_eps=None"),
+    ("qwen3", dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1), "moe_router_load_balancing_type='sinkhorn'",
+     "moe_router_load_balancing_type in 'aux_loss'"),
+    ("qwen3", dict(moe_router_force_load_balancing=True), "moe_router_force_load_balancing=True",
+     "moe_router_force_load_balancing=False"),
+    ("gqa", dict(use_mup=True), "use_mup=True", "use_mup=False"),
+    ("gqa", dict(window_attn_skip_freq=2), "window_attn_skip_freq=2", "window_attn_skip_freq=None"),
+    ("dsv3", dict(mtp_use_repeated_layer=True), "mtp_use_repeated_layer=True", "mtp_use_repeated_layer=False"),
+    # MLA's RoPE reads the config's rotary_percent (GPTModel's keyword is not used with MLA)
+    ("dsv3", dict(rotary_percent=0.5), "rotary_percent=0.5", "rotary_percent=1.0"),
 ]
 
 
@@ -264,6 +364,60 @@ def test_hf_config_refuses_what_transformers_cannot_express(kind, over, names, f
         hf_config(_config(kind, **over), vocab_size=128)
     msg = str(e.value)
     assert names in msg and fix in msg, msg
+
+
+def test_every_megatron_setting_is_classified():
+    """The closed-world table names every field of the installed Megatron-Core's configs, and nothing else
+    (a newer release's new field is refused until classified: test_a_setting_unknown_to_the_table_is_refused)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    from mcore_reshard.sources.megatron_settings import SETTINGS
+    fields = {f.name for c in (TransformerConfig, MLATransformerConfig) for f in dataclasses.fields(c)}
+    assert sorted(fields - set(SETTINGS)) == [] and sorted(set(SETTINGS) - fields) == []
+    kinds = {}
+    for s in SETTINGS.values():
+        kinds[s.kind] = kinds.get(s.kind, 0) + 1
+    assert kinds["refused"] >= 20 and all(s.fix for s in SETTINGS.values() if s.kind == "refused"), kinds
+
+
+def test_a_setting_unknown_to_the_table_is_refused():
+    """A config class with a field the table does not know (a newer Megatron-Core): the default is accepted,
+    any other value refused, naming the field and its default."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcore_reshard import hf_config
+    from mcore_reshard.sources.hf_config import HFConfigError
+
+    @dataclasses.dataclass
+    class NewerConfig(TransformerConfig):
+        attention_sink_tokens: int = 0
+
+    assert hf_config(_config("gqa", NewerConfig), vocab_size=128).model_type == "llama"
+    with pytest.raises(HFConfigError) as e:
+        hf_config(_config("gqa", NewerConfig, attention_sink_tokens=4), vocab_size=128)
+    assert "attention_sink_tokens=4 (default 0)" in str(e.value) and "closest fix: attention_sink_tokens=0" in str(e.value)
+
+
+IRRELEVANT = [  # settings proven not to change the forward: accepted, the same transformers config
+    ("gqa", dict(hidden_dropout=0.3, attention_dropout=0.2)),
+    ("gqa", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+    ("gqa", dict(init_method_std=0.5, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False)),
+    ("gqa", dict(bias_activation_fusion=True, masked_softmax_fusion=True, fp32_residual_connection=True)),
+    ("qwen3", dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_router_load_balancing_type="seq_aux_loss",
+                   moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", moe_per_layer_logging=True)),
+    ("dsv3", dict(mtp_loss_scaling_factor=0.3, cache_mla_latents=True, moe_router_bias_update_rate=0.01)),
+]
+
+
+@pytest.mark.parametrize("kind,over", IRRELEVANT, ids=[f"{k}-{next(iter(o))}" for k, o in IRRELEVANT])
+def test_hf_config_accepts_what_does_not_change_the_forward(kind, over):
+    from mcore_reshard import hf_config
+    plain = hf_config(_config(kind), vocab_size=128).to_dict()
+    assert hf_config(_config(kind, **over), vocab_size=128).to_dict() == plain
 
 
 def test_hf_config_from_a_config_needs_the_vocab_size():

@@ -562,6 +562,43 @@ def test_from_hf_config():
     assert q2.attention_bias and q2.family == "llama" and q2.head_dim == 8
 
 
+def test_from_hf_config_closed_world():
+    """Every field of the config is read, required, or known not to change the tensors; anything else that
+    differs from transformers' default is refused naming it (mcore_reshard/targets/hf_fields.py)."""
+    pytest.importorskip("transformers")
+    from mcore_reshard.core.layout import LayoutError
+    # DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3, bf16: no quantization_config), as vLLM / SGLang load it
+    official = {
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "aux_loss_alpha": 0.001,
+        "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+        "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+        "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 2.5,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4,
+        "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+        "v_head_dim": 128, "vocab_size": 129280}
+    assert from_hf_config(official).with_(head_dim=64) == dsv3_671b()     # MLA reads no head_dim (absent here)
+    for model_type, bad, names in [
+            ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+             "quantization_config="),
+            ("deepseek_v3", {"qk_head_dim": 256}, "qk_head_dim=256"),
+            ("deepseek_v3", {"attention_bias": True}, "attention_bias=True"),
+            ("llama", {"mlp_bias": True}, "closest fix: mlp_bias=False"),
+            ("llama", {"attention_bias": True}, "model_type 'qwen2'"),
+            ("qwen3_moe", {"shared_expert_intermediate_size": 512}, "shared_expert_intermediate_size=512")]:
+        cfg = {**(official if model_type == "deepseek_v3" else {"model_type": model_type, "hidden_size": 64,
+               "num_hidden_layers": 2, "vocab_size": 128, "num_attention_heads": 4}), **bad}
+        with pytest.raises(LayoutError, match="the layouts cannot describe") as e:
+            from_hf_config(cfg)
+        assert names in str(e.value), str(e.value)
+
+
 # ----------------------------------------------------------------------------------- 671B worked examples
 
 def _shapes(layout, rank=0, needle="model.layers.3."):

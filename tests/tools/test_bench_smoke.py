@@ -162,8 +162,9 @@ def test_costmodel_paced_hand_checked():
     gb = 10 ** 9
 
     def msg(k, s, d, n):
-        return NS(round=k, src=s, dst=d, entries=[NS(nbytes=n)])
-    plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 24, gb // 10), msg(1, 16, 24, gb)], local_copies=[])
+        return NS(round=k, src=s, dst=d, unstaged=False, entries=[NS(nbytes=n, tensor="w")])
+    plan = NS(messages=[msg(0, 0, 8, gb), msg(0, 16, 24, gb // 10), msg(1, 16, 24, gb)], local_copies=[],
+              tensors={"w": {"shape": [gb], "src_dtype": "uint8", "dst_dtype": "uint8"}})
     assert costmodel.predict(plan, topo)["seconds"] == pytest.approx(0.040)
     assert costmodel.paced(plan, topo) == pytest.approx(0.022)
     # a message of round 1 between a fast and a slow rank starts when the slow one is done: 20 + 20 ms
@@ -199,3 +200,28 @@ def test_costmodel_paced_pipelines_pack_and_unpack():
     assert costmodel.paced(plan, slow) == pytest.approx(2 * 10 ** 9 / 50e9 + 2 * 11192832 / 50e9, rel=1e-12)
     plan.messages[0].unstaged = True            # straight from / into the tensors: no copies at all
     assert costmodel.paced(plan, slow) == pytest.approx(0.020, rel=1e-12)
+
+
+def test_cli_column_measures_the_command_beside_its_plan_build_time():
+    """BENCHMARKS A's column "CLI wall / plan build": ``mcore-reshard plan`` in a fresh process on the
+    scaled-down configuration (its model as a config.json), its wall from outside against the plan
+    build time the same process prints."""
+    from mcore_reshard.targets import from_hf_config
+    from mcore_reshard.tools.bench.fullsize import hf_config_json
+    assert from_hf_config(hf_config_json(bench.small_config())) == bench.small_config()
+    c = bench.run_cli("small", timeout=300)
+    assert "error" not in c, c
+    assert c["command"].startswith("mcore-reshard --progress never plan --config ")
+    assert 0 < c["plan_s"] < c["wall_s"] and c["wall_over_plan"] == c["wall_s"] / c["plan_s"]
+    assert 0 < c["plan_cpu_s"] < c["cpu_s"] and 0 < c["layouts_cpu_s"] < c["cpu_s"] and c["layouts_s"] > 0
+    assert 10 << 20 < c["max_rss_bytes"] < 1 << 30
+    assert "x** (" in bench.report.markdown_cli([{"name": "small", "cli": c}])
+    # every full-size configuration is a command line: the model a preset, both layouts strings
+    from mcore_reshard.tools import layout_strings
+    from mcore_reshard.tools.cli import PRESETS
+    for name, conf in bench.CONFIGS.items():
+        args = conf.cli_args()
+        assert args[:3] == ["plan", "--model", conf.model_name] and (name == "small" or conf.model_name in PRESETS)
+        assert ("--colocated" in args) == conf.colocated
+        src, dst = layout_strings.parse(conf.src_layout), layout_strings.parse(conf.dst_layout)
+        assert src.engine == "megatron" and src.world() > 0 and dst.world() > 0

@@ -38,13 +38,16 @@ Units (no cycles; each imports only those above it):
 * :mod:`.errors` -- :class:`ReshardError`, :class:`TransferError`, classifying gloo failures;
 * :mod:`.common` -- dtype names, wire constants, the group's device, bounded waits;
 * :mod:`.checksum` -- verify-mode checksums, :func:`digest_of`;
-* :mod:`.handshake` -- :func:`agree`, the refit start, control messages, :func:`all_gather_json`, the per-group guard;
+* :mod:`.handshake` -- :func:`agree`, the refit start, control messages (their :class:`~.handshake.Step`), :func:`all_gather_json`, the per-group guard;
 * :mod:`.preflight` -- tensors vs plan, aliasing, the plan's own checks;
 * :mod:`.binding` -- staging layout, views, per-round bookkeeping, :func:`staging_size`;
 * :mod:`.owners` -- the tensor objects bound and their storage, checked at each refit (``param.data`` rebound);
 * :mod:`.rounds` -- the batched (chunked, pipelined) and overlapped round paths, pack / unpack;
-* :mod:`.transfer` -- :class:`~.transfer.Refit`, the one object owning a binding's refit state (versions, interruption,
-  pending operations), whose methods are a refit's steps: start, rounds with the local copies overlapped, confirmation;
+* :mod:`.transport` -- the :class:`~.transport.Transport` interface a refit moves each round through, and its two
+  point-to-point transports (``Overlapped`` on gloo, ``Batched`` on NCCL);
+* :mod:`.transfer` -- :class:`~.transfer.Refit`, the one object owning a binding's refit state (the binding, swapped
+  whole; the group's :class:`~.transfer.Channel`; versions, interruption, pending operations), whose methods are a
+  refit's steps: start, rounds with the local copies overlapped, confirmation;
 * :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state (delegating refits to its :class:`~.transfer.Refit`);
 * :mod:`.windowed` -- :class:`WindowedResharder`: a windowed plan (one Resharder per window, one staging
   buffer), refit window after window with the caller's work between (streamed engine refits).

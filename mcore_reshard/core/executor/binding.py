@@ -61,9 +61,13 @@ class Round:
     recv_peers: list = field(default_factory=list)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False)
 class Binding:
-    """Everything :class:`Resharder.refit` touches, fixed at bind time (addresses never change)."""
+    """This rank's part of a plan bound to its tensors: everything :meth:`Resharder.refit` touches,
+    fixed when made (addresses never change).  Never edited: a followed owner (``param.data``
+    rebound) gets a whole new Binding, swapped in by :meth:`~.transfer.Refit.swap`."""
+    src: dict            # buffer name -> the source tensor bound (a detached view of the owner's storage)
+    dst: dict            # buffer name -> the destination tensor bound
     local: list          # LocalCopy
     padding: list        # Padding
     staging: torch.Tensor
@@ -71,6 +75,9 @@ class Binding:
     round_numbers: list  # the plan round number of each
     first_stage: dict    # stage (-1: local copies and padding, i: round i) -> buffers first written there
     last_stage: dict     # stage -> buffers last written there
+    # what a transport derives from this binding once and reuses every refit (the batched path's
+    # chunk groups per round); dropped with the binding
+    schedules: dict = field(default_factory=dict)
 
 
 def per_round(plan: Plan, rank: int) -> dict[int, tuple[list, list]]:
@@ -260,6 +267,6 @@ def bind(plan: Plan, rank: int, src: Mapping[str, torch.Tensor], dst: Mapping[st
     for name in dst_names:
         if name not in first:
             touch(name, -1)   # buffers nothing writes (empty) are complete after the local stage
-    return Binding(local, padding, buffer, rounds, numbers,
+    return Binding(dict(src), dict(dst), local, padding, buffer, rounds, numbers,
                    {s: sorted(n for n, f in first.items() if f == s) for s in set(first.values())},
                    {s: sorted(n for n, l in last.items() if l == s) for s in set(last.values())})

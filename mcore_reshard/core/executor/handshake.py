@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import json
 import threading
 import time
@@ -18,10 +19,33 @@ from .errors import ReshardError
 _MSG_BYTES = 1024
 _OPT_BYTES = 64
 
-# control messages (handshake, retry handshake, confirmation, refit start) share one fixed size and
-# carry their kind, so ranks at different protocol steps are detected instead of exchanging
-# mismatched bytes
-_KIND = {1: "handshake", 2: "retry handshake", 3: "confirmation", 4: "refit start", 5: "windowed refit end"}
+
+
+class Step(enum.IntEnum):
+    """The protocol step a control message belongs to (its first byte).  Control messages of every
+    step share one fixed size and carry their step, so ranks at different steps are detected
+    (:func:`step_mismatch`) instead of exchanging mismatched bytes."""
+    HANDSHAKE = 1          # a Resharder's construction, and its rebind
+    RETRY_HANDSHAKE = 2    # agree(kind=RETRY_HANDSHAKE): every rank retries the same version
+    CONFIRMATION = 3       # the end of every refit: every rank landed every byte
+    REFIT_START = 4        # the start of every refit, before any byte moves
+    WINDOWED_END = 5       # the end of a windowed refit: every rank's work after the last window done
+    REUSE_CHECK = 6        # dtensor_reshard: every rank found the same cached binding
+
+    @property
+    def label(self) -> str:
+        """How messages name the step (``"refit start"``)."""
+        return self.name.lower().replace("_", " ")
+
+
+def step_label(kind: int) -> str:
+    """The :class:`Step` label of a control message's kind byte (``"unknown step 9"`` otherwise)."""
+    try:
+        return Step(kind).label
+    except ValueError:
+        return f"unknown step {kind}"
+
+
 _C_KIND, _C_OK, _C_FLAGS, _C_VER, _C_TOKEN, _C_DIGEST, _C_OPT = 0, 1, 2, 3, 11, 19, 51
 _C_TEXT = _C_OPT + _OPT_BYTES
 _C_SIZE = _C_TEXT + _MSG_BYTES
@@ -33,9 +57,9 @@ def _put(payload: torch.Tensor, at: int, data: bytes, limit: int) -> None:
         payload[at:at + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def exchange(group, kind: int, *, digest: str = "", version: int = 0, ok: bool = True, options: str = "",
+def exchange(group, kind: Step, *, digest: str = "", version: int = 0, ok: bool = True, options: str = "",
              text: str = "", timeout: float | None = None, token: int = 0, flags: int = 0) -> list[dict]:
-    """All-gather one fixed-size control message per rank (tensors, never pickle): kind, ok,
+    """All-gather one fixed-size control message per rank (tensors, never pickle): kind (a :class:`Step`), ok,
     ``flags`` (a byte), refit ``version``, ``token`` (64-bit binding id), plan ``digest``,
     ``options`` and error ``text``; returns them as dicts in rank order."""
     world = dist.get_world_size(group)
@@ -102,13 +126,13 @@ def _who(ticket) -> str:
     return f"ranks {gone} did not answer"
 
 
-def step_mismatch(msgs: list[dict], kind: int) -> str | None:
+def step_mismatch(msgs: list[dict], kind: Step) -> str | None:
     """None when every rank sent a control message of ``kind``, else who is at which step."""
     if all(m["kind"] == kind for m in msgs):
         return None
     by: dict[str, list[int]] = {}
     for r, m in enumerate(msgs):
-        by.setdefault(f"{_KIND.get(m['kind'], 'unknown step %d' % m['kind'])} (refit {m['version']})", []).append(r)
+        by.setdefault(f"{step_label(m['kind'])} (refit {m['version']})", []).append(r)
     return "ranks are at different protocol steps: " + "; ".join(f"ranks {rs} in {k}" for k, rs in sorted(by.items()))
 
 
@@ -149,7 +173,7 @@ def _settle(ticket, rank: int, ok: bool, timeout: float | None, group) -> str | 
 
 
 def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: float | None = None,
-          kind: int = 1, version: int = 0, token: int = 0, settle: bool = False) -> list[dict]:
+          kind: Step = Step.HANDSHAKE, version: int = 0, token: int = 0, settle: bool = False) -> list[dict]:
     """Collective: exchange plan digest, options and local errors; raise :class:`ReshardError` on
     every rank if any rank reported an error or the digests or options differ.  Never pickles.
     ``timeout`` bounds the wait (a rank that never joins makes the others raise after it, naming
@@ -167,7 +191,7 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
             _settle(ticket, rank, False, timeout, group)
         if not isinstance(e, Exception):
             raise
-        raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank} after {time.monotonic() - t0:.1f} s: "
+        raise ReshardError(f"reshard {step_label(kind)} failed on rank {rank} after {time.monotonic() - t0:.1f} s: "
                            f"{_who(ticket)} (a peer died, never joined, or the process group is broken): {type(e).__name__}: {e}"
                            + (f" | this rank's own problems: {'; '.join(errors)}" if errors else "")) from e
     # every rank settles only when every rank's message says it does (same step, same kind of caller);
@@ -175,7 +199,7 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
     if settle and all(m["kind"] == kind and m["flags"] & _F_SETTLE for m in msgs):
         elsewhere = _settle(ticket, rank, True, timeout, group)
         if elsewhere:
-            raise ReshardError(f"reshard {_KIND[kind]} failed on rank {rank}: its exchange completed here but not on "
+            raise ReshardError(f"reshard {step_label(kind)} failed on rank {rank}: its exchange completed here but not on "
                                f"every rank: {elsewhere}; every rank raises (no rank is bound alone)")
     problems = []
     step = step_mismatch(msgs, kind)
@@ -196,10 +220,10 @@ def agree(group, digest: str, errors: list[str], *, options: str = "", timeout: 
     for text, rs in texts.items():
         problems.append(text if len(rs) == 1 or text.startswith("rank ") else f"ranks {rs}: {text}")
     versions = sorted({m["version"] for m in msgs})
-    if kind == 2 and not step and len(versions) > 1:
+    if kind == Step.RETRY_HANDSHAKE and not step and len(versions) > 1:
         problems.append(f"ranks retry different refit versions {versions}")
     if problems:
-        head = "reshard refused before any transfer: " if kind == 1 else f"refit {version} retry refused: "
+        head = "reshard refused before any transfer: " if kind == Step.HANDSHAKE else f"refit {version} retry refused: "
         raise ReshardError(head + " | ".join(problems))
     return msgs
 
@@ -293,10 +317,10 @@ def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, exp
     :class:`TransferError`)."""
     flags = (_F_EXPLICIT if explicit else 0) | (_F_DIRTY if dirty else 0)
     own = list(problems)
-    msgs = exchange(group, 4, digest=digest, version=proposal, options=options, token=token, flags=flags,
+    msgs = exchange(group, Step.REFIT_START, digest=digest, version=proposal, options=options, token=token, flags=flags,
                     timeout=timeout, ok=not own, text="; ".join(own))
     problems = [m["text"] or f"rank {q} failed its checks" for q, m in enumerate(msgs) if not m["ok"]]
-    step = step_mismatch(msgs, 4)
+    step = step_mismatch(msgs, Step.REFIT_START)
     if step:
         problems.append(step)
     else:

@@ -89,3 +89,9 @@ class Owners:
             return None
         return ("the plan was bound to " + f"{list(rec.shape)} {dtype_name(rec.dtype)} strides {list(rec.stride)} on "
                 f"{rec.device}; bind a new Resharder for the new tensor")
+
+    @staticmethod
+    def followed(changed: list[tuple[Record, torch.Tensor]]) -> None:
+        """The storages of :meth:`changed` are bound now (the Resharder followed them)."""
+        for rec, now in changed:
+            rec.ptr = now.data_ptr()

@@ -1,6 +1,6 @@
 """The :class:`Resharder`: binds a plan to this rank's tensors once (validation + handshake), then
-each ``refit()`` moves the bytes through its :class:`~.transfer.Refit` (which owns the versions,
-interruptions and pending state); ``rebind`` changes the group."""
+each ``refit()`` moves the bytes through its :class:`~.transfer.Refit`, which owns every piece of
+refit state (the binding, the group, the versions, interruptions); ``rebind`` changes the group."""
 from __future__ import annotations
 
 import datetime
@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from ..planner import Plan
-from . import rounds as _rounds
-from .binding import bind
-from .common import check_timeout, group_device, group_timeout, waits_block
+from .binding import Binding, bind
+from .common import check_timeout, group_device
 from .errors import ReshardError
 from .handshake import agree, group_guard
 from .owners import Owners, describe, is_dtensor, record, storage_of
 from .preflight import check_aliasing, check_arguments, check_binding, member_rank, own_part
-from .transfer import Refit
+from .transfer import Channel, LocalCopies, Refit
+from .transport import Transport, transport_for
 
 
 class Resharder:
@@ -76,47 +76,45 @@ class Resharder:
         self._layouts = layouts
         self.overlap = overlap
         self.plan = plan
-        self.group = group
         self.rank = member_rank(group, "bind a Resharder")
-        self.world = dist.get_world_size(group)
-        self._set_timeout()
         self.verify = bool(verify)
         self.confirm = bool(confirm)
+        channel = Channel.of(group, dist.get_world_size(group), self._timeout_arg)
         # detached views share the caller's storage: refits copy_ into them without autograd
         # (nn.Parameter sources / destinations stay leaves, requires_grad and all); a DTensor is
         # bound through its local shard.  The owners (the objects given) are kept: every refit
         # checks that they still use the storage bound (param.data rebound: see refit)
         with torch.inference_mode(False):
-            self.src = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
-            self.dst = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
+            src_views = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(src).items()}
+            dst_views = {n: storage_of(t) if isinstance(t, torch.Tensor) else t for n, t in dict(dst).items()}
         self._owners = Owners([record(side, n, owner, have[n]) for side, given, have in
-                               (("src", src, self.src), ("dst", dst, self.dst))
+                               (("src", src, src_views), ("dst", dst, dst_views))
                                for n, owner in dict(given).items() if isinstance(owner, torch.Tensor)])
         # a templated plan is bound through this rank's own part, made from its templates alone (no
         # other rank's copies are ever made here); its hash, what the handshake compares, is the whole plan's
         self._part, errors = own_part(plan, self.rank)
-        errors += self._intake_errors(src, dst, staging)
-        buffer_version: dict[str, int | None] = {} if errors else {
-            n: None for n in self._part.buffers["dst"].get(self.rank, {})}
+        errors += self._intake_errors(src, dst, staging, src_views, dst_views)
+        dst_names = [] if errors else list(self._part.buffers["dst"].get(self.rank, {}))
         # the plan's digest, computed once (seconds for a plan with 100k+ copies): the handshake,
         # every refit's start and confirmation carry it; the bound plan is not to be changed
         self._digest = plan.hash
-        # what refits read and change (versions, interruption, pending operations), and their steps
-        self._refit = Refit(self.rank, self.verify, self.confirm, self._digest, buffer_version,
-                            self.group, self.timeout_s, self.waits_block, src=self.src)
-        # the binding id: rank 0's random token, agreed in the handshake; every refit start
-        # compares it, so two Resharders over one group can never exchange each other's bytes
-        errors = errors or self._validate()
+        # the one owner of what refits read and change (binding, group, versions, interruption)
+        self._refit = Refit(self.rank, self.verify, self.confirm, self._digest, dst_names, channel)
+        errors = errors or self._validate(src_views, dst_views)
         if not errors:
             try:     # views and staging before the handshake: a failure here (memory) reaches every rank
                 with torch.inference_mode(False):    # normal tensors even when built under inference_mode
-                    self._bind()
+                    self._refit.swap(self._bind(src_views, dst_views))
             except Exception as e:  # noqa: BLE001
                 errors.append(f"rank {self.rank}: binding failed: {type(e).__name__}: {str(e)[:300]}")
+        # the binding id: rank 0's random token, agreed in the handshake; every refit start
+        # compares it, so two Resharders over one group can never exchange each other's bytes
         with group_guard(group, self.rank, "bind a Resharder"):
             msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s,
                          token=int.from_bytes(os.urandom(8), "little"), settle=True)
-        self._refit.token = msgs[0]["token"]
+        self._refit.agreed(msgs[0]["token"])
+
+    # ------------------------------------------------------------------ what is bound (read-only views)
 
     @property
     def version(self) -> int:
@@ -124,22 +122,71 @@ class Resharder:
         return self._refit.version
 
     @property
-    def _token(self) -> int:
-        """The binding id (rank 0's random token, agreed in the handshake)."""
+    def binding_id(self) -> int:
+        """The binding id: rank 0's random 64-bit token, agreed in the construction handshake (the
+        same on every rank of this binding; every refit start compares it)."""
         return self._refit.token
 
-    def _set_timeout(self) -> None:
-        """The timeout and what the rounds look up once per group (not once per operation)."""
-        self.timeout_s = self._timeout_arg if self._timeout_arg is not None else group_timeout(self.group)
-        self.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.waits_block = waits_block(self.group)
+    @property
+    def group(self):
+        """The process group refits run on (changed by :meth:`rebind`)."""
+        return self._refit.channel.group
+
+    @property
+    def world(self) -> int:
+        return self._refit.channel.world
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound of every wait, in seconds (``timeout=None``: the group's own)."""
+        return self._refit.channel.timeout_s
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    @property
+    def waits_block(self) -> bool:
+        return self._refit.channel.waits_block
+
+    @property
+    def src(self) -> dict:
+        """Buffer name -> the source tensor refits read (a detached view of the owner's storage)."""
+        return self._refit.binding.src
+
+    @property
+    def dst(self) -> dict:
+        """Buffer name -> the destination tensor refits write."""
+        return self._refit.binding.dst
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self._refit.binding.staging
+
+    @property
+    def local(self) -> list:
+        """This rank's local copies (:class:`~.binding.LocalCopy`)."""
+        return self._refit.binding.local
+
+    @property
+    def padding(self) -> list:
+        return self._refit.binding.padding
+
+    @property
+    def rounds(self) -> list:
+        """This rank's rounds (:class:`~.binding.Round`), in plan-round order."""
+        return self._refit.binding.rounds
+
+    @property
+    def round_numbers(self) -> list:
+        return self._refit.binding.round_numbers
 
     # ------------------------------------------------------------------ validation and binding
 
     def _options(self) -> str:
         return f"verify={int(self.verify)},confirm={int(self.confirm)},overlap={int(self.overlapped())}"
 
-    def _intake_errors(self, src, dst, staging) -> list[str]:
+    def _intake_errors(self, src, dst, staging, src_views, dst_views) -> list[str]:
         """Tensors a refit could not use as given: an inference tensor to write (torch refuses an
         in-place write to it outside ``inference_mode``), a DTensor whose local shard is not the
         buffer the plan gives this rank."""
@@ -154,7 +201,7 @@ class Resharder:
                                   "tensor (made under torch.inference_mode()): a refit writes it in place, which torch "
                                   "refuses outside inference mode; make it outside torch.inference_mode()")
                 if side != "staging" and is_dtensor(t):
-                    local = self.src[n] if side == "src" else self.dst[n]
+                    local = src_views[n] if side == "src" else dst_views[n]
                     shape = want.get(side, {}).get(self.rank, {}).get(n, (None,))[0]
                     if shape is not None and list(local.shape) != list(shape):
                         errors.append(f"rank {self.rank}: {side} tensor {n} is a DTensor {list(t.shape)} placements "
@@ -162,23 +209,20 @@ class Resharder:
                                       f"rank {list(shape)}: a DTensor is bound through its local shard")
         return errors
 
-    def _validate(self) -> list[str]:
+    def _validate(self, src: dict, dst: dict) -> list[str]:
         try:
-            return check_binding(self._part, self.rank, self.world, self.group, self.src, self.dst, self.overlap,
+            return check_binding(self._part, self.rank, self.world, self.group, src, dst, self.overlap,
                                  self._shared_staging, self._layouts, ranks=self.plan.ranks)
         except Exception as e:  # noqa: BLE001 - a crash in a check must still reach every rank
             return [f"rank {self.rank}: validation failed: {type(e).__name__}: {e}"]
 
-    def _bind(self, staging=None) -> None:
-        b = bind(self._part, self.rank, self.src, self.dst, verify=self.verify,
-                 staging=self._shared_staging if staging is None else staging,
-                 device=self._device(), dst_names=list(self._refit.buffer_version))
-        self.local, self.padding, self.staging = b.local, b.padding, b.staging
-        self.rounds, self.round_numbers = b.rounds, b.round_numbers
-        self._refit.attach(b, self.src)
+    def _bind(self, src: dict, dst: dict, staging=None) -> Binding:
+        return bind(self._part, self.rank, src, dst, verify=self.verify,
+                    staging=self._shared_staging if staging is None else staging,
+                    device=self._device(src, dst), dst_names=list(self._refit.buffer_version))
 
-    def _device(self) -> torch.device:
-        for t in list(self.dst.values()) + list(self.src.values()):
+    def _device(self, src: dict, dst: dict) -> torch.device:
+        for t in list(dst.values()) + list(src.values()):
             return t.device
         return group_device(self.group)
 
@@ -191,8 +235,9 @@ class Resharder:
     def follow_owners(self) -> list[str]:
         """Local, before a refit's start exchange: every owner whose storage changed since bind
         (``param.data = new``) is followed when the new storage has the bound shape, strides,
-        dtype and device (and shares no memory with another bound tensor): views are re-made on
-        it.  Returns the problems of the others (the refit is then refused on every rank)."""
+        dtype and device (and shares no memory with another bound tensor): a new binding is made on
+        it and swapped in whole.  Returns the problems of the others (the refit is then refused on
+        every rank)."""
         changed = self._owners.changed()
         if not changed:
             return []
@@ -211,11 +256,9 @@ class Resharder:
         problems = check_aliasing(self.rank, src, dst, self.staging)
         if problems:
             return [p + " (after following a rebound param.data)" for p in problems]
-        self.src, self.dst = src, dst
         with torch.inference_mode(False):
-            self._bind(staging=self.staging)
-        for rec, now in changed:
-            rec.ptr = now.data_ptr()
+            self._refit.swap(self._bind(src, dst, staging=self.staging))
+        self._owners.followed(changed)
         return []
 
     def rebind(self, group=None) -> None:
@@ -228,14 +271,11 @@ class Resharder:
         if rank != self.rank:
             errors.append(f"rank {rank}: this Resharder was bound as rank {self.rank} of its old group; "
                           "the new group must keep every rank's number")
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self._set_timeout()
-        self._refit.use_group(group, self.timeout_s, self.waits_block)
-        errors = errors or self._validate()
+        self._refit.use(Channel.of(group, dist.get_world_size(group), self._timeout_arg))
+        errors = errors or self._validate(self.src, self.dst)
         with group_guard(group, self.rank, "rebind"):
-            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s, token=self._token,
-                         settle=True)
+            msgs = agree(group, self._digest, errors, options=self._options(), timeout=self.timeout_s,
+                         token=self.binding_id, settle=True)
         tokens = sorted({m["token"] for m in msgs})
         if len(tokens) > 1:
             raise ReshardError(f"rank {self.rank}: rebind refused: ranks rebind different Resharders "
@@ -282,8 +322,19 @@ class Resharder:
                                     or not 0 <= version < 1 << 63):
             raise ValueError(f"version={version!r}: must be an integer in [0, 2**63) (or None)")
         with group_guard(self.group, self.rank, "refit"), torch.no_grad():
-            return self._refit.run(version, refusal, follow=self.follow_owners, options=self._options,
-                                   overlapped=self.overlapped)
+            return self._refit.run(version, refusal, follow=self.follow_owners, options=self._options(),
+                                   transport=self.transport())
+
+    def copy_local(self) -> None:
+        """This rank's local copies alone, as a refit runs them (:class:`~.transfer.LocalCopies`), with
+        no communication and no version bookkeeping: the benchmarks' floor of a refit's local work."""
+        with torch.no_grad():
+            LocalCopies(self._refit, [], set()).drain()
+
+    def transport(self) -> Transport:
+        """The point-to-point transport of the next refit's rounds on the current group
+        (:mod:`.transport`; chosen as :meth:`overlapped` says)."""
+        return transport_for(self.group, self.overlap)
 
     def overlapped(self) -> bool:
         """Whether rounds run overlapped (see :func:`~.rounds.round_overlapped`) on the current group.
@@ -296,4 +347,4 @@ class Resharder:
         deadlock.  ``overlap=True`` on a non-gloo backend is refused for the same
         reason (construction and :meth:`rebind` raise).  The environment variable ``MCORE_RESHARD_OVERLAP`` (``0``/``1``) overrides the
         default choice (benchmarks); an explicit ``overlap`` argument wins over it."""
-        return _rounds.use_overlap(self.group, self.overlap)
+        return self.transport().name == "overlapped"

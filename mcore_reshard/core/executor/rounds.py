@@ -7,8 +7,9 @@ Both take ``background``: a callable that does one slice of other work (the refi
 its bytes are on the wire and it would otherwise wait, so the wire never idles behind local
 copies.  The time spent in it extends the round's deadline (a wait is never cut short by it).
 
-Each function takes the refit's :class:`~.transfer.RefitState` ``r`` and only reads it (group,
-timeout, verify, rounds; the batched path keeps its schedules in ``r.chunk_cache``)."""
+Each function takes the refit's :class:`~.transfer.Refit` ``r`` and only reads it (group, timeout,
+verify, its binding's rounds; the batched path keeps its chunk groups in the binding's ``schedules``).
+:mod:`.transport` puts them behind the :class:`~.transport.Transport` interface."""
 from __future__ import annotations
 
 import os
@@ -122,7 +123,7 @@ def round_error(r, v: int, i: int, rnd: Round, label: str, e: BaseException, wai
 
 class _Clock:
     """A round's deadline: its start + ``timeout``, pushed back by the time spent in background work
-    (``r``: the :class:`~.transfer.RefitState`)."""
+    (``r``: the :class:`~.transfer.Refit`)."""
 
     def __init__(self, r, v, i, rnd, background):
         self.r, self.v, self.i, self.rnd, self.bg = r, v, i, rnd, background
@@ -250,11 +251,13 @@ def chunk_schedule(rnd: Round, verify: bool) -> list[list[ChunkOp]]:
 
 
 def _schedule(r, i: int, rnd: Round) -> list[list[ChunkOp]]:
-    """:func:`chunk_schedule` of round ``i``, kept in ``r.chunk_cache`` per round and verify."""
+    """:func:`chunk_schedule` of round ``i``, kept per round and verify in the binding's ``schedules``
+    (views of the storage it bound: a new binding starts without them)."""
     key = (i, r.verify)
-    groups = r.chunk_cache.get(key)
+    memo = r.binding.schedules
+    groups = memo.get(key)
     if groups is None:
-        groups = r.chunk_cache[key] = chunk_schedule(rnd, r.verify)
+        groups = memo[key] = chunk_schedule(rnd, r.verify)
     return groups
 
 

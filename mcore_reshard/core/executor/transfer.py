@@ -1,54 +1,86 @@
-"""One object owns a bound Resharder's refit state and runs its refits: a :class:`Refit`, whose
-state and bookkeeping (:class:`RefitState`: the version each destination buffer holds, the last
-interruption, whether operations may be pending on the group, the chunk schedules) the rounds
-read, and whose methods are the steps of a refit: the start, padding, the rounds with the local
-copies overlapped with the first one (with the stage at which each destination buffer loses /
-gains its version), verify's source check, and the final confirmation."""
+"""One object owns a bound Resharder's refit state and runs its refits: a :class:`Refit`.
+
+What it owns, and the only methods that change it:
+
+    state                          | changed by
+    binding (views, staging)       | swap()        -- whole, never edited (bind, a followed owner)
+    channel (group, timeout)       | use()         -- whole (bind, rebind)
+    token (the binding id)         | agreed()      -- once, after the construction handshake
+    version, buffer_version,       | run() and its steps: the refit start, padding, the rounds (through
+    interrupted, dirty             |   the transport) with the local copies overlapped with the first one,
+                                   |   verify's source check, the final confirmation; settled() (rebind)
+
+The rounds (:mod:`.rounds`, through a :class:`~.transport.Transport`) read it and change nothing but
+the binding's memo of derived schedules."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import common
 from .binding import Binding
 from .checksum import checksum
+from .common import group_timeout, waits_block
 from .errors import ReshardError, TransferError
-from .handshake import exchange, refit_start, step_mismatch
-from .rounds import copy_all, round_batched, round_overlapped
+from .handshake import Step, exchange, refit_start, step_mismatch
+from .rounds import copy_all
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """The process group a binding's refits run on, and what is looked up once per group (not once
+    per operation): its size, the timeout in seconds and whether its waits block the host."""
+    group: object
+    world: int
+    timeout_s: float
+    waits_block: bool
+
+    @classmethod
+    def of(cls, group, world: int, timeout: float | None) -> "Channel":
+        """``timeout=None``: the group's own timeout (:func:`~.common.group_timeout`)."""
+        return cls(group, world, timeout if timeout is not None else group_timeout(group), waits_block(group))
+
+
 class RefitState:
-    """What the refits of one bound :class:`~.resharder.Resharder` read and change on this rank,
-    and its bookkeeping (the steps that change it: :class:`Refit`).
+    """The refit state of one bound :class:`~.resharder.Resharder` on this rank and its bookkeeping
+    (the steps that change it: :class:`Refit`, the one object a Resharder holds).
 
-    Fixed at bind: ``rank``, ``verify``, ``confirm``, ``digest`` (the plan's), ``token`` (the
-    binding id agreed in the handshake); ``binding`` (views, staging, rounds) and ``src`` (the
-    bound source views) are replaced together when a rebound owner is followed (:meth:`attach`).
-    Per group (:meth:`use_group`): ``group``, ``timeout_s``, ``waits_block``.  Changed by refits:
-    ``version`` (the last refit confirmed complete), ``buffer_version`` (the refit version each
-    destination buffer fully holds; None: none), ``interrupted`` (the last refit's failure:
-    version, round, error), ``sources_changed`` (verify saw a source change during the last
-    transfer), ``dirty`` (an interrupted refit may have left operations pending on the group:
-    refused until :meth:`settled`) and ``chunk_cache`` (the batched path's groups per round)."""
-    rank: int
-    verify: bool
-    confirm: bool
-    digest: str
-    buffer_version: dict
-    group: object = None
-    timeout_s: float = 0.0
-    waits_block: bool = True
-    src: dict = field(default_factory=dict)
-    binding: Binding | None = None
-    token: int = 0
-    version: int = 0
-    interrupted: dict | None = None
-    sources_changed: bool = False
-    dirty: bool = False
-    chunk_cache: dict = field(default_factory=dict)
+    Fixed at bind: ``rank``, ``verify``, ``confirm``, ``digest`` (the plan's).  Swapped whole:
+    ``binding`` (:meth:`swap`), ``channel`` (:meth:`use`); set once: ``token`` (:meth:`agreed`).
+    Changed by refits: ``version`` (the last refit confirmed complete), ``buffer_version`` (the refit
+    version each destination buffer fully holds; None: none), ``interrupted`` (the last refit's
+    failure: version, round, error), ``sources_changed`` (verify saw a source change during the
+    last transfer) and ``dirty`` (an interrupted refit may have left operations pending on the
+    group: refused until :meth:`settled`)."""
+
+    __slots__ = ("rank", "verify", "confirm", "digest", "token", "binding", "channel", "version", "buffer_version",
+                 "interrupted", "sources_changed", "dirty")
+
+    def __init__(self, rank: int, verify: bool, confirm: bool, digest: str, dst_names, channel: Channel):
+        self.rank, self.verify, self.confirm, self.digest = rank, verify, confirm, digest
+        self.channel = channel
+        self.token = 0
+        self.binding: Binding | None = None
+        self.version = 0
+        self.buffer_version: dict[str, int | None] = {n: None for n in dst_names}
+        self.interrupted: dict | None = None
+        self.sources_changed = False
+        self.dirty = False
+
+    # what the rounds read
+    @property
+    def group(self):
+        return self.channel.group
+
+    @property
+    def timeout_s(self) -> float:
+        return self.channel.timeout_s
+
+    @property
+    def waits_block(self) -> bool:
+        return self.channel.waits_block
 
     @property
     def rounds(self) -> list:
@@ -58,15 +90,22 @@ class RefitState:
     def round_numbers(self) -> list:
         return self.binding.round_numbers
 
-    def use_group(self, group, timeout_s: float, waits_block: bool) -> None:
-        """Run every later refit on ``group`` (construction, :meth:`Resharder.rebind`)."""
-        self.group, self.timeout_s, self.waits_block = group, timeout_s, waits_block
+    @property
+    def src(self) -> dict:
+        return self.binding.src
 
-    def attach(self, binding: Binding, src: dict) -> None:
-        """Refit through ``binding`` (views of ``src`` and the destinations) from now on; the chunk
-        schedules of the previous binding (views of the storage it bound) are dropped."""
-        self.binding, self.src = binding, src
-        self.chunk_cache.clear()
+    def swap(self, binding: Binding) -> None:
+        """Refit through ``binding`` from now on (the previous one, views of the storage it bound and
+        the schedules derived from them, is dropped whole)."""
+        self.binding = binding
+
+    def use(self, channel: Channel) -> None:
+        """Run every later refit on ``channel`` (construction, :meth:`Resharder.rebind`)."""
+        self.channel = channel
+
+    def agreed(self, token: int) -> None:
+        """The binding id agreed in the construction handshake (every refit start compares it)."""
+        self.token = token
 
     def settled(self) -> None:
         """The group is fresh (after a rebind): nothing of an interrupted refit is pending on it."""
@@ -102,15 +141,16 @@ class RefitState:
                 self.buffer_version[name] = None
 
 
-@dataclass(slots=True, eq=False)
 class Refit(RefitState):
     """A :class:`RefitState` with the refit's steps: :meth:`run` (start, then :meth:`transfer` and
     :meth:`confirmation`, recording an interruption)."""
 
-    def transfer(self, v: int, problems: list[str], overlapped) -> dict:
-        """Padding, then every round, with the local copies done while the first round's bytes travel
-        (:class:`LocalCopies`); ``problems`` collects verify failures; ``overlapped()``: whether the
-        rounds run overlapped (:func:`~.rounds.round_overlapped`, else :func:`~.rounds.round_batched`).
+    __slots__ = ()
+
+    def transfer(self, v: int, problems: list[str], transport) -> dict:
+        """Padding, then every round through ``transport`` (a :class:`~.transport.Transport`), with the
+        local copies done while the first round's bytes travel (:class:`LocalCopies`); ``problems``
+        collects verify failures.
 
         Version bookkeeping: a buffer first written by the local copies or round ``i`` loses its
         version before that stage starts (before the round's operations are posted, so before any
@@ -131,7 +171,6 @@ class Refit(RefitState):
             self.stage_end(-1, v)
 
         sent = nmsg = direct = 0
-        run_round = round_overlapped if overlapped() else round_batched
         if b.rounds and any(x.message.forward for x in b.rounds[0].sends):
             # a forwarded send (two-level plans) packs destination views, which the local copies may
             # write: those copies must be done before its round is packed
@@ -140,7 +179,7 @@ class Refit(RefitState):
             self.stage_begin(i)
             self.dirty = True      # operations of this round may stay pending if it is interrupted
             try:
-                run_round(self, v, i, rnd, problems, bad_buffers, background=local.step if i == 0 else None)
+                transport.run_round(self, v, i, rnd, problems, bad_buffers, background=local.step if i == 0 else None)
             except Exception:
                 if i == 0:
                     local_done()
@@ -177,7 +216,7 @@ class Refit(RefitState):
         changed, self.sources_changed = self.sources_changed, False
         self.dirty = True
         try:
-            msgs = exchange(self.group, 3, digest=self.digest, version=v, ok=not problems,
+            msgs = exchange(self.group, Step.CONFIRMATION, digest=self.digest, version=v, ok=not problems,
                             text="; ".join(problems[:8]), timeout=self.timeout_s, token=self.token,
                             flags=1 if changed else 0)
             self.dirty = False
@@ -187,7 +226,7 @@ class Refit(RefitState):
                 f"{time.monotonic() - t0:.1f} s (timeout {self.timeout_s} s): another rank died or stopped part-way; "
                 f"{'this rank: ' + '; '.join(problems[:4]) + '; ' if problems else ''}cause: {type(e).__name__}: {str(e)[:300]}",
                 version=v, round=0) from e
-        step = step_mismatch(msgs, 3)
+        step = step_mismatch(msgs, Step.CONFIRMATION)
         failed = [q for q, m in enumerate(msgs) if not m["ok"]]
         foreign = sorted(q for q, m in enumerate(msgs) if (m["digest"], m["token"]) != (self.digest, self.token))
         if any(m["flags"] & 1 for m in msgs) or step or foreign:
@@ -207,11 +246,12 @@ class Refit(RefitState):
                 text += f" ranks refit different versions {versions}"
             raise TransferError(text, version=v, round=0, peers=failed)
 
-    def run(self, version: int | None, refusal: list[str] | None, *, follow, options, overlapped) -> dict:
+    def run(self, version: int | None, refusal: list[str] | None, *, follow, options: str, transport) -> dict:
         """Refit start (agreed version), transfer, confirmation; records an interruption.
         ``refusal``: this rank's own reasons not to refit (every rank then raises before a byte
-        moves); ``follow``: the owners check (:meth:`Resharder.follow_owners`, returns problems);
-        ``options`` / ``overlapped``: callables giving the options string and the round path."""
+        moves); ``follow``: the owners check (:meth:`Resharder.follow_owners`, returns problems; it
+        may :meth:`swap` the binding); ``options``: the options string every rank compares;
+        ``transport``: the :class:`~.transport.Transport` of the rounds."""
         proposal = self.version + 1 if version is None else version
         try:     # owners whose storage changed since bind (param.data = new): followed, or refused everywhere
             local_problems = follow()
@@ -221,7 +261,7 @@ class Refit(RefitState):
         t0 = time.monotonic()
         try:
             v = refit_start(self.group, rank=self.rank, digest=self.digest, token=self.token, proposal=proposal,
-                            explicit=version is not None, options=options(), dirty=self.dirty,
+                            explicit=version is not None, options=options, dirty=self.dirty,
                             timeout=self.timeout_s, problems=local_problems)
         except ReshardError:
             raise        # refused on every rank before any byte moved; nothing changed here
@@ -237,7 +277,7 @@ class Refit(RefitState):
                 f"cause: {type(e).__name__}: {str(e)[:300]}", version=proposal, round=0) from e
         problems: list[str] = []
         try:
-            stats = self.transfer(v, problems, overlapped)
+            stats = self.transfer(v, problems, transport)
             if self.confirm:
                 self.confirmation(v, problems)
         except TransferError as e:

@@ -29,10 +29,8 @@ import torch.distributed as dist
 from .binding import staging_size
 from .common import check_timeout, group_device
 from .errors import ReshardError, TransferError
-from .handshake import agree, exchange, step_mismatch
+from .handshake import Step, agree, exchange, step_mismatch
 from .resharder import Resharder
-
-_END = 5      # control message kind of the final exchange (after every window's work)
 
 
 def _pick(tensors: Mapping, plan, side: str, rank: int) -> dict:
@@ -143,14 +141,14 @@ class WindowedResharder:
     def _end(self, v: int, failed: list[str]) -> None:
         """The final exchange: every rank's work after the last window done (else every rank raises)."""
         try:
-            msgs = exchange(self.group, _END, digest=self._digest, version=v, ok=not failed,
+            msgs = exchange(self.group, Step.WINDOWED_END, digest=self._digest, version=v, ok=not failed,
                             text="; ".join(failed), timeout=self.timeout)
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"refit {v}: rank {self.rank} moved every window but the final exchange failed: "
                                 f"another rank died or stopped part-way; cause: {type(e).__name__}: {str(e)[:300]}",
                                 version=v, round=0) from e
         problems = [f"rank {q}: {m['text']}" for q, m in enumerate(msgs) if not m["ok"]]
-        step = step_mismatch(msgs, _END)
+        step = step_mismatch(msgs, Step.WINDOWED_END)
         if step:
             problems.append(step)
         if problems:

@@ -3,6 +3,7 @@
 Three parts, each reproducible from the command line (``BENCHMARKS.md`` has the results)::
 
     mcore-reshard bench --full-size                      # DeepSeek-V3 671B plans, 128-1024 ranks
+    mcore-reshard bench --cli                            # `mcore-reshard plan` on each: wall / plan build
     mcore-reshard bench --live --sizes 20M,100M,300M     # 4 CPU processes, three methods side by side
     mcore-reshard bench --smoke                          # a small version of both (seconds)
 
@@ -32,10 +33,10 @@ moves more than this; NeMo RL's broadcast path sends every tensor to every infer
 """
 from .baselines import checkpoint_units, gather_broadcast, lower_bound
 from .configs import CONFIGS, FULL_SIZE_DEFAULT, PUBLISHED, FullSizeConfig, kimi_k2_1t, small_config
-from .fullsize import run_full_size, run_full_size_config, traffic_matrix
+from .fullsize import run_cli, run_full_size, run_full_size_config, traffic_matrix
 from .options import add_bench_parser, cmd_bench, main
 from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
 
 __all__ = ["CONFIGS", "FULL_SIZE_DEFAULT", "FullSizeConfig", "PUBLISHED", "add_bench_parser", "checkpoint_units",
            "cmd_bench", "gather_broadcast", "kimi_k2_1t", "lower_bound", "main", "markdown_full_size", "markdown_live",
-           "plot_full_size", "plot_live", "run_full_size", "run_full_size_config", "small_config", "traffic_matrix"]
+           "plot_full_size", "plot_live", "run_cli", "run_full_size", "run_full_size_config", "small_config", "traffic_matrix"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 from ...util.memstat import peak_bytes, reset_peak, rss_bytes
 from .. import costmodel
 from .baselines import gather_broadcast, lower_bound
-from .configs import CONFIGS, NODE, PUBLISHED, small_config
+from .configs import CONFIGS, NODE, PUBLISHED
 
 
 def _max_mean(d: dict) -> dict:
@@ -36,13 +37,11 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
     """Build, analyse, plan and cost one configuration in this process (JSON-able result).
     ``partial``: a file to write the pre-planning numbers to (layouts, lower bound, baseline)."""
     from ...core.planner import make_plan, plan_part
-    from ...targets import dsv3_671b
     conf = CONFIGS[name]
-    cfg = small_config() if name == "small" else dsv3_671b()
     out: dict = {"name": name, "title": conf.title, "src": conf.src, "dst": conf.dst, "colocated": conf.colocated,
                  "topology": conf.topology, "note": conf.note, "budget_bytes": budget}
     t0 = time.perf_counter()
-    src, dst = conf.build(cfg)
+    src, dst = conf.build()
     out["layout_s"] = time.perf_counter() - t0
     out["src_ranks"], out["dst_ranks"] = len(src.ranks), len(dst.ranks)
     out["ranks"] = len(set(src.ranks) | set(dst.ranks))
@@ -122,6 +121,51 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
     return out
 
 
+_RSS_AT_EXIT = ("import atexit, resource, sys; "
+                "atexit.register(lambda: print('max RSS KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+                "'CPU s', sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), file=sys.stderr)); "
+                "from mcore_reshard.tools.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def hf_config_json(cfg) -> dict:
+    """A Hugging Face config.json of ``cfg`` (what ``mcore-reshard plan --config`` reads back)."""
+    import dataclasses
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+    out["mlp_only_layers"] = list(out["mlp_only_layers"])
+    return out
+
+
+def run_cli(name: str, timeout: float = 600) -> dict:
+    """``mcore-reshard plan`` on configuration ``name`` as a user runs it (a fresh process, the whole
+    report), side by side with the plan build time that same process prints: ``wall_s`` (start to
+    exit, from here), ``plan_s`` ("built in"), their ratio, ``layouts_s`` (the layouts the plan is
+    built from); the same in CPU seconds (the process's user + system against the plan's
+    ``time.process_time``: what a busy machine does not distort) and the process's peak RSS."""
+    conf = CONFIGS[name]
+    with tempfile.TemporaryDirectory(prefix="mcore-bench-cli-") as tmp:
+        config = None
+        if conf.model_name == "small":          # no --model preset: as a config.json
+            config = os.path.join(tmp, "config.json")
+            with open(config, "w") as f:
+                json.dump(hf_config_json(conf.model()), f)
+        args = ["--progress", "never", *conf.cli_args(config)]
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _RSS_AT_EXIT, *args], capture_output=True, text=True,
+                              timeout=timeout)
+        wall = time.perf_counter() - t0
+    line = re.findall(r"built in ([0-9.]+) s \(([0-9.]+) s CPU\) from layouts built in ([0-9.]+) s \(([0-9.]+) s CPU\)",
+                      proc.stdout)
+    rss = [int(x) for x in re.findall(r"max RSS KiB ([0-9]+)", proc.stderr)]
+    cpu = [float(x) for x in re.findall(r"CPU s ([0-9.]+)", proc.stderr)]
+    if proc.returncode != 0 or not line or not rss or not cpu:
+        return {"command": "mcore-reshard " + " ".join(args), "error": (proc.stderr or proc.stdout)[-300:]}
+    plan_s, plan_cpu, layouts_s, layouts_cpu = map(float, line[0])
+    return {"command": "mcore-reshard " + " ".join(args), "wall_s": wall, "plan_s": plan_s, "layouts_s": layouts_s,
+            "wall_over_plan": wall / plan_s, "cpu_s": cpu[0], "plan_cpu_s": plan_cpu, "layouts_cpu_s": layouts_cpu,
+            "cpu_over_plan_cpu": cpu[0] / plan_cpu, "max_rss_bytes": rss[0] << 10, "loadavg_before": load}
+
+
 def _limit_memory(gib: float):
     def apply():
         import resource
@@ -131,11 +175,12 @@ def _limit_memory(gib: float):
 
 
 def run_full_size(names: list[str], budget: int, memory: str, timeout: float, log=print,
-                  max_mem_gib: float = 0, progress: str | Path | None = None) -> list[dict]:
+                  max_mem_gib: float = 0, progress: str | Path | None = None, cli: bool = True) -> list[dict]:
     """Each configuration in its own process (``python -m mcore_reshard.tools.bench --in-process``), so
     that its memory is measured alone, a slow one is given up after ``timeout`` seconds and one
     that needs more than ``max_mem_gib`` of address space fails (MemoryError) instead of pushing the
-    machine into swap (0: no cap).  ``progress``: a JSON file rewritten after every configuration."""
+    machine into swap (0: no cap).  ``progress``: a JSON file rewritten after every configuration;
+    ``cli``: also ``mcore-reshard plan`` on it, its wall against its plan build time (:func:`run_cli`)."""
     from ...util.progress import bar
     results = []
     for name in bar(names, desc="full-size plans", unit="config"):
@@ -163,9 +208,30 @@ def run_full_size(names: list[str], budget: int, memory: str, timeout: float, lo
             with open(path) as f:
                 res = json.load(f)[0]
             log(f"[bench] {name}: done in {time.perf_counter() - t0:.0f} s (plan {res['plan_s']:.1f} s)")
+            if cli:
+                res["cli"] = run_cli(name, timeout)
+                log(f"[bench] {name}: {_cli_line(res['cli'])}")
             results.append(res)
             _progress(results, progress)
     return results
+
+
+def _cli_line(c: dict) -> str:
+    if "error" in c:
+        return f"CLI failed: {c['error']}"
+    return (f"CLI {c['wall_s']:.1f} s wall / plan {c['plan_s']:.1f} s = {c['wall_over_plan']:.2f}x; CPU "
+            f"{c['cpu_s']:.1f} / {c['plan_cpu_s']:.1f} s = {c['cpu_over_plan_cpu']:.2f}x (layouts {c['layouts_cpu_s']:.1f} "
+            f"s CPU); {c['max_rss_bytes'] / 2**20:,.0f} MiB RSS")
+
+
+def run_cli_only(names: list[str], timeout: float, log=print) -> list[dict]:
+    """:func:`run_cli` on each configuration (``mcore-reshard bench --cli``)."""
+    rows = []
+    for name in names:
+        row = {"name": name, "cli": run_cli(name, timeout)}
+        log(f"[bench] {name}: {_cli_line(row['cli'])}")
+        rows.append(row)
+    return rows
 
 
 def _partial(path: str, name: str, error: str) -> dict:

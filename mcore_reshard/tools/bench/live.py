@@ -38,7 +38,7 @@ Methods:
 ``floor_local``
     Timed with ``mcore_reshard`` and ``floor`` whenever both run: the floor, then every local copy
     of the plan on each rank (``copy_`` from a source into a destination view on the same rank,
-    as :class:`~mcore_reshard.core.executor.transfer.LocalCopies` runs them).  The least any
+    as :meth:`~mcore_reshard.core.executor.Resharder.copy_local` runs them).  The least any
     executor does for the plan: a destination never aliases a live source, so the shards a rank
     keeps must be copied, and on a machine with fewer cores than ranks that CPU adds to the wire's.
 ``gather_broadcast``
@@ -432,7 +432,6 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
     mcore_cpu.install_cpu_shims()
     from megatron.core.resharding.refit import clear_all_caches, swap_model_weights
 
-    from ...core.executor.transfer import LocalCopies
     from ...refit import MegatronRefit
     dtype = getattr(torch, dtype_name)
     out = []
@@ -479,7 +478,7 @@ def live_worker(rank: int, world: int, sizes: list, cases: list, reps: int, budg
 
                     def floor_local():
                         floor.run()
-                        LocalCopies(res_._refit, [], set()).drain()     # the floor runs its local copies as a refit does
+                        res_.copy_local()     # the floor runs its local copies as a refit does
 
                     fns["floor_local"] = floor_local
                 timed = _timed_interleaved(fns, reps)

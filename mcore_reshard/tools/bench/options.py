@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from .configs import CONFIGS, DEFAULT_OUT, FULL_SIZE_DEFAULT
-from .fullsize import run_full_size, run_full_size_config, save_json
-from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
+from .fullsize import run_cli_only, run_full_size, run_full_size_config, save_json
+from .report import markdown_cli, markdown_full_size, markdown_live, plot_full_size, plot_live
 
 # ----------------------------------------------------------------------------------- CLI
 
@@ -33,6 +33,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", choices=["rss", "tracemalloc"], default="rss",
                    help="plan memory: peak resident set added while planning (rss, cheap) or tracemalloc's peak "
                         "(Python allocations only; slows planning ~5x) (default: %(default)s)")
+    p.add_argument("--cli", action="store_true", help="only `mcore-reshard plan` on each --configs configuration, "
+                                                       "its wall against the plan build time it prints (side by side)")
+    p.add_argument("--no-cli", action="store_true", help="--full-size without the `mcore-reshard plan` runs")
     p.add_argument("--live", action="store_true", help="live CPU+gloo runs: mcore_reshard vs megatron.core.resharding "
                                                         "vs gather+broadcast (4 processes)")
     p.add_argument("--sizes", default="20M,100M,300M", help="live model sizes (default: %(default)s; also: tiny, 1B)")
@@ -78,8 +81,18 @@ def cmd_bench(args) -> int:
                         plot_full_size(r, out_dir / "img")
         print(markdown_live(data) if live else markdown_full_size(data))
         return 0
+    if args.cli and not args.full_size:
+        names = [n for n in args.configs.split(",") if n]
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown:
+            _log(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+            return 2
+        rows = run_cli_only(names, args.timeout, log=_log)
+        save_json(out_dir / "results" / "cli.json", rows)
+        print(markdown_cli(rows))
+        return 1 if any("error" in r["cli"] for r in rows) else 0
     if not (args.full_size or args.live or args.smoke):
-        _log("nothing to do: pass --full-size, --live and/or --smoke")
+        _log("nothing to do: pass --full-size, --cli, --live and/or --smoke")
         return 2
     status = 0
     report = []
@@ -92,7 +105,7 @@ def cmd_bench(args) -> int:
         tag = "smoke" if args.smoke and not args.full_size else "full_size"
         results = run_full_size(names, budget, "tracemalloc" if args.smoke and not args.full_size else args.memory,
                                 args.timeout, log=_log, max_mem_gib=args.max_mem_gib,
-                                progress=out_dir / "results" / f"{tag}.json")
+                                progress=out_dir / "results" / f"{tag}.json", cli=not args.no_cli)
         save_json(out_dir / "results" / f"{tag}.json", results)
         if not args.no_plots:
             for r in results:

@@ -104,15 +104,35 @@ def _mib(n) -> str:
     return f"{n / 2**20:,.0f}" if n is not None else "-"
 
 
+def cli_cell(r: dict) -> str:
+    """``mcore-reshard plan``'s wall / its own plan build time (and peak RSS) of one result, or '-'."""
+    c = r.get("cli")
+    if not c:
+        return "-"
+    if "error" in c:
+        return f"failed: {c['error'][:60]}"
+    return (f"{c['wall_s']:.1f} / {c['plan_s']:.1f} = **{c['wall_over_plan']:.2f}x**; CPU {c['cpu_s']:.1f} / "
+            f"{c['plan_cpu_s']:.1f} = **{c['cpu_over_plan_cpu']:.2f}x** (layouts {c['layouts_cpu_s']:.1f}; "
+            f"{c['max_rss_bytes'] / 2**20:,.0f} MiB)")
+
+
+def markdown_cli(rows: list[dict]) -> str:
+    """``mcore-reshard bench --cli``: one line per configuration."""
+    lines = ["| config | CLI / plan build: wall s, CPU s (layouts CPU s; peak RSS) | command |", "|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {cli_cell(r)} | `{r['cli'].get('command', '')}` |")
+    return "\n".join(lines)
+
+
 def markdown_full_size(results: list[dict]) -> str:
     lines = ["| config | ranks | model GB | plan GB (= lower bound?) | gather+bcast GB | ratio | send max / mean GB |"
              " recv max / mean GB | g+b recv max GB | messages | rounds (lower bound) | staging MiB/rank |"
-             " plan s (whole / one rank's part) | plan MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " plan s (whole / one rank's part) | plan MiB | CLI / plan build: wall, CPU s (layouts; RSS) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             if "baseline" not in r:
-                lines.append(f"| {r['name']} | | | {r['error']} | | | | | | | | | | |")
+                lines.append(f"| {r['name']} | | | {r['error']} | | | | | | | | | | | |")
                 continue
             b = r["baseline"]
             lb = r["lower_bound_per_rank"]
@@ -120,7 +140,8 @@ def markdown_full_size(results: list[dict]) -> str:
                 f"| {r['name']} | {r['src_ranks']}->{r['dst_ranks']}{' (coloc.)' if r['colocated'] else ''} | "
                 f"{_gb(r['model_bytes'])} | no plan ({r['error']}); lower bound {_gb(r['layout_lower_bound'])} | "
                 f"{_gb(b['bytes'])} | {b['bytes'] / max(r['layout_lower_bound'], 1):.1f}x (vs lower bound) | - | "
-                f"{_gb(lb['max'])} / {_gb(lb['mean'])} (lower bound) | {_gb(b['recv']['max'])} | - | - | - | - | - |")
+                f"{_gb(lb['max'])} / {_gb(lb['mean'])} (lower bound) | {_gb(b['recv']['max'])} | - | - | - | - | - | "
+                f"{cli_cell(r)} |")
             continue
         p, b = r["plan"], r["baseline"]
         eq = "yes" if p["network_bytes"] == p["lower_bound_bytes"] == r["layout_lower_bound"] else "NO"
@@ -131,7 +152,7 @@ def markdown_full_size(results: list[dict]) -> str:
             f"{b['bytes'] / max(p['network_bytes'], 1):.1f}x | {_gb(p['send']['max'])} / {_gb(p['send']['mean'])} | "
             f"{_gb(p['recv']['max'])} / {_gb(p['recv']['mean'])} | {_gb(b['recv']['max'])} | {p['messages']:,} | "
             f"{p['rounds']} ({p.get('rounds_lower_bound', '-')}) | {_mib(p.get('max_stage_bytes'))} | "
-            f"{r['plan_s']:.1f} / {r['plan_s'] + r.get('plan_part_s', 0):.1f} | {_mib(mem)} |")
+            f"{r['plan_s']:.1f} / {r['plan_s'] + r.get('plan_part_s', 0):.1f} | {_mib(mem)} | {cli_cell(r)} |")
     lines += ["", "| config | topology | predicted s | link bound s | NVLink fan-out: predicted s | link bound s | "
               "NIC GB saved | gather+bcast model s | published |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:

@@ -9,7 +9,7 @@ import torch
 
 from mcore_reshard.core.box import Box
 from mcore_reshard.core.executor import binding, rounds
-from mcore_reshard.core.executor.transfer import RefitState
+from mcore_reshard.core.executor.transfer import Channel, Refit
 from mcore_reshard.core.planner import Copy, Message
 
 
@@ -74,9 +74,10 @@ def test_overlapped_round_unpacks_every_receive_once_polling_heads_only(monkeypa
     fake = Dist(payload, arrive_early)
     monkeypatch.setattr(rounds, "dist", fake)
     rnd = binding.Round([], recvs, [], list(range(1, peers + 1)))
-    r = RefitState(rank=0, verify=False, confirm=True, digest="", buffer_version={}, group=None, timeout_s=30.0,
-                   waits_block=True, binding=binding.Binding(local=[], padding=[], staging=torch.empty(0, dtype=torch.uint8),
-                                                             rounds=[rnd], round_numbers=[1], first_stage={}, last_stage={}))
+    r = Refit(rank=0, verify=False, confirm=True, digest="", dst_names=[],
+              channel=Channel(group=None, world=peers + 1, timeout_s=30.0, waits_block=True))
+    r.swap(binding.Binding(src={}, dst={}, local=[], padding=[], staging=torch.empty(0, dtype=torch.uint8),
+                           rounds=[rnd], round_numbers=[1], first_stage={}, last_stage={}))
     Work.polls = 0
     problems, bad = [], set()
     rounds.round_overlapped(r, 1, 0, rnd, problems, bad)
