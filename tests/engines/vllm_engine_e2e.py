@@ -61,6 +61,10 @@ EXTENSION = "mcore_reshard.integrations.vllm_worker.McoreReshardWorkerExtension"
 # the plan options of the refit test: a staging budget and a window small beside the weights, as on a
 # real model (the memory the engine holds between refits is then mostly the staging buffer)
 SMALL = {"budget_bytes": 32 << 10, "window_bytes": 64 << 10}
+# a DeepSeek-V3-style model of ~0.3 B parameters (8 layers, 16 routed experts of 512, vocab 32000):
+# the pause and memory benchmark (benchmarks/engine_pause.py --model dsv3_300m; not in CI)
+BIG = dict(hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, q_lora_rank=384, kv_lora_rank=512,
+           qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, moe_ffn_hidden_size=512, vocab=32000)
 # the models: "dsv3" is the refit test proper; "llama" (no MLA, so the CPU engine keeps its prefix
 # cache) shows what a refit does to the prefix cache: generated before and after reset_prefix_cache()
 MODELS = {
@@ -74,6 +78,13 @@ MODELS = {
               "schedule": [("backend", "v1"), ("backend", "v2")], "prompts": LONG_PROMPTS,
               "engine": {"enable_prefix_caching": True, "block_size": 32}, "refuse_replaced": False, "plan": {},
               "killed": None, "memory": False},
+    "dsv3_300m": {"builder": "build_dsv3_tiny", "parallel": {"tp": 2, "ep": 2, "etp": 1},
+                  "kwargs": {"mtp": False, "num_layers": 8, "topk": 4, "num_experts": 16, "widths": BIG},
+                  "schedule": [("backend", "v1"), ("backend", "v2"), ("backend", "v1"),
+                               ("shadow", "v2"), ("shadow", "v1"), ("shadow", "v2")],
+                  "prompts": PROMPTS, "engine": {}, "refuse_replaced": False,
+                  "plan": {"budget_bytes": 16 << 20, "window_bytes": 64 << 20}, "killed": None, "memory": True,
+                  "timeout_scale": 4},
 }
 
 
@@ -283,7 +294,9 @@ def _reset_peak(worker) -> None:
     except OSError:
         pass
     eng = worker.weight_transfer_engine
-    worker.__dict__["_e2e_peak"] = _held(worker)["storage_bytes"]
+    h = _held(worker)
+    worker.__dict__["_e2e_peak"] = h["storage_bytes"]
+    worker.__dict__["_e2e_before"] = h
     for r in eng.refits.values():
         buf = getattr(r, "buffers", None)
         if buf is None or not hasattr(buf, "after_window") or getattr(buf, "_e2e_wrapped", False):
@@ -297,9 +310,11 @@ def _reset_peak(worker) -> None:
 
 
 def _peak(worker) -> dict:
+    """After a refit that :func:`_reset_peak` prepared: the distinct-storage peak and the peak RSS over
+    it, what was held before it and after it."""
     h = _held(worker)
     return {"storage_peak": max(worker.__dict__.get("_e2e_peak", 0), h["storage_bytes"]), "rss_peak": h["rss_peak"],
-            **h}
+            "before": worker.__dict__.get("_e2e_before"), "after": h}
 
 
 def wait_for(path: str, timeout: float = 600.0) -> None:
@@ -517,6 +532,7 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = os.path.abspath(__file__)
+    scale = MODELS[model].get("timeout_scale", 1)
     tlog, elog = os.path.join(workdir, "trainer.log"), os.path.join(workdir, "engine.log")
     with open(tlog, "w") as tout:
         trainer_proc = subprocess.Popen(
@@ -528,11 +544,12 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
             with open(elog, "w") as eout:
                 rc = subprocess.run([engine_python, script, "engine", workdir, "--tp", str(tp), "--model", model],
                                     stdout=eout,
-                                    stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp), timeout=900).returncode
+                                    stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp),
+                                    timeout=900 * scale).returncode
             if rc != 0:
                 raise RuntimeError(f"engine failed (rc {rc}):\n{_tail(elog)}\ntrainer:\n{_tail(tlog)}"
                                    f"\nsource:\n{_tail(os.path.join(workdir, 'source.log'), 2000)}")
-            if trainer_proc.wait(timeout=300) != 0:
+            if trainer_proc.wait(timeout=300 * scale) != 0:
                 raise RuntimeError(f"trainer failed:\n{_tail(tlog)}")
         finally:
             if trainer_proc.poll() is None:     # SIGTERM: torchrun stops its workers (they have sessions of their own)
@@ -547,7 +564,7 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
             rc = subprocess.run([engine_python, script, "reference", workdir, "--tp", str(tp), "--version", version,
                                  "--model", model],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=engine_env(tp),
-                                timeout=300).returncode
+                                timeout=300 * scale).returncode
         if rc != 0:
             raise RuntimeError(f"reference engine {version} failed:\n{_tail(log)}")
 
