@@ -50,9 +50,10 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..core.executor import Resharder, ReshardError, all_gather_json, all_or_none, dtype_name
+from ..core.executor import Resharder, ReshardError, WindowedResharder, all_gather_json, all_or_none, dtype_name
 from ..core.layout import Layout, LayoutError, merge_layouts
-from ..core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan
+from ..core.planner import DEFAULT_BUDGET, PlanError, check_budget, make_plan, make_windowed_plan
+from ..core.planner.windows import check_window_bytes
 from ..util.identity import ModuleIdentity, TrackedTensors, identity_of, tracked
 
 ENGINES = ("vllm", "sglang", "hf", "megatron")
@@ -477,9 +478,9 @@ def _as_payload(side: str, value, rank: int) -> tuple[dict | None, dict | None]:
 
 
 def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | None = None, dst=None,
-               dst_tensors: Mapping[str, torch.Tensor] | None = None, *, error: str | None = None,
-               budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader", ignore_unused: bool = False,
-               timeout: float | None = None, verify: bool = False) -> Resharder:
+               dst_tensors=None, *, error: str | None = None, budget_bytes: int = DEFAULT_BUDGET,
+               allow_cast: bool | str = "loader", ignore_unused: bool = False, timeout: float | None = None,
+               verify: bool = False, window_bytes: int | None = None):
     """Collective over ``group``: exchange what each rank brings, plan, bind (see the module doc).
 
     ``src`` / ``dst``: this rank's layout part (a :class:`Layout` holding only this rank's buffers, in
@@ -490,24 +491,75 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
     dtypes where source and destination differ, as every engine's ``load_weights`` does (``copy_``,
     round to nearest even: Megatron's fp32 router bias or norms into a bf16 engine are bit-equal to
     the engine's own load of an HF export), and refuses any other cast; ``True`` any cast the
-    planner allows; ``False`` none.  Returns the :class:`Resharder` (``.plan`` holds the plan)."""
+    planner allows; ``False`` none.  Returns the :class:`Resharder` (``.plan`` holds the plan).
+
+    ``window_bytes``: a rank (an engine that streams its refit, :mod:`~.vllm_refit_modes`) asks for
+    a *windowed* plan: the destination cut into windows of whole modules of at most that many
+    destination bytes per rank (:mod:`mcore_reshard.core.planner.windows`), one plan each.  ``None``
+    (default) asks nothing: the plan is windowed when any rank asks (every asking rank must ask
+    the same), so a trainer needs no option of its own.  Then every rank gets a
+    :class:`~mcore_reshard.core.executor.WindowedResharder` (the same ``refit``, ``state``,
+    ``rebind``; ``refit(after_window=...)`` for the receiver's work between windows), and
+    ``dst_tensors`` may be a callable ``windows -> [{name: tensor}, ...]`` building each window's
+    tensors (over memory a receiver reuses from one window to the next)::
+
+        rank 0, 1: join_refit(g, src=part_r, src_tensors=...)                      # trainer
+        rank 2, 3: join_refit(g, dst=spec, dst_tensors=arena.tensors, window_bytes=W)
+        all:       r.refit(version)          # engine: r.refit(version, after_window=process)
+    """
+    bad = []
+    if window_bytes is not None:
+        try:
+            window_bytes = check_window_bytes(window_bytes)
+        except PlanError as e:
+            bad.append(f"rank {dist.get_rank(group)}: {e}")
+    src_layout, dst_layout, plan_kw, windowed = _exchange(
+        group, src, src_tensors, dst, dst_tensors, error=error, budget_bytes=budget_bytes, allow_cast=allow_cast,
+        ignore_unused=ignore_unused, timeout=timeout, verify=verify, window_bytes=window_bytes, local=bad)
+    if windowed is None:
+        with all_or_none(group, timeout=timeout):    # deterministic, but still exchanged so nobody waits
+            if callable(dst_tensors) and not isinstance(dst_tensors, Mapping):
+                raise TypeError("dst_tensors is a callable (per window) but no rank asked for windows (window_bytes)")
+            plan = make_plan(src_layout, dst_layout, **plan_kw)
+        r = Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
+    else:
+        with all_or_none(group, timeout=timeout):
+            plan = make_windowed_plan(src_layout, dst_layout, window_bytes=windowed, **plan_kw)
+        tensors = dst_tensors if callable(dst_tensors) and not isinstance(dst_tensors, Mapping) else dict(dst_tensors or {})
+        r = WindowedResharder(plan, dict(src_tensors or {}), tensors, group, timeout=timeout, verify=verify)
+    # tensors read from modules (megatron_source, live_tensors, read_hf_layout) carry where they live: a
+    # module or parameter replaced later is followed at the next refit, or refused on every rank
+    rank = dist.get_rank(group)
+    for side, tensors in (("src", src_tensors), ("dst", dst_tensors)):
+        ident = identity_of(tensors, side, rank=rank) if isinstance(tensors, Mapping) else None
+        if ident is not None:
+            r.watch(side, ident.check)
+    return r
+
+
+def _exchange(group, src, src_tensors, dst, dst_tensors, *, error, budget_bytes, allow_cast, ignore_unused, timeout,
+              verify, window_bytes, local: list | None = None) -> tuple[Layout, Layout, dict, int | None]:
+    """Steps 1-3 of the protocol (see the module doc): every rank's payload exchanged, every problem
+    raised on every rank; returns the merged source and destination layouts, the plan options and
+    the window budget asked for (None: one plan)."""
     if allow_cast != "loader" and not isinstance(allow_cast, bool):
         raise ValueError(f"allow_cast={allow_cast!r}: expected 'loader', True or False")
     rank = dist.get_rank(group)
-    local = []
+    local = list(local or [])
     try:
         budget_bytes = check_budget(budget_bytes)
     except PlanError as e:
         local.append(f"rank {rank}: {e}")
     for what, tensors in (("src_tensors", src_tensors), ("dst_tensors", dst_tensors)):
-        if tensors is not None and not isinstance(tensors, Mapping):
+        if tensors is not None and not isinstance(tensors, Mapping) and not (what == "dst_tensors" and callable(tensors)):
             local.append(f"rank {rank}: {what} must be a mapping of buffer name -> tensor, not {type(tensors).__name__}")
     if error is not None and not isinstance(error, str):
         local.append(f"rank {rank}: error={error!r} must be a message string or None")
     options = {"budget_bytes": budget_bytes if isinstance(budget_bytes, int) else repr(budget_bytes),
                "allow_cast": allow_cast, "ignore_unused": bool(ignore_unused), "verify": bool(verify)}
     error = "; ".join(filter(None, [error if isinstance(error, str) else None] + local)) or None
-    payload: dict[str, Any] = {"rank": rank, "error": error, "options": options}
+    payload: dict[str, Any] = {"rank": rank, "error": error, "options": options,
+                               "window_bytes": window_bytes if isinstance(window_bytes, int) else None}
     try:
         payload["src"], payload["src_spec"] = _as_payload("src", src, rank)
         payload["dst"], payload["dst_spec"] = _as_payload("dst", dst, rank)
@@ -521,22 +573,21 @@ def join_refit(group=None, src=None, src_tensors: Mapping[str, torch.Tensor] | N
         opts.setdefault(_spec_key(p["options"]), []).append(r)
     if len(opts) > 1:
         problems.append("plan options differ between ranks: " + "; ".join(f"{k} on ranks {v}" for k, v in sorted(opts.items())))
+    asked: dict[int, list[int]] = {}
+    for r, p in enumerate(parts):
+        if p.get("window_bytes") is not None:
+            asked.setdefault(p["window_bytes"], []).append(r)
+    if len(asked) > 1:
+        problems.append("ranks ask for different windows: " + "; ".join(f"window_bytes={w} on ranks {rs}"
+                                                                        for w, rs in sorted(asked.items())))
     if problems:
         raise ReshardError("refit refused before any transfer: " + " | ".join(problems))
     with all_or_none(group, timeout=timeout):    # deterministic, but still exchanged so nobody waits
         src_layout = _side(parts, "src")
         dst_layout = _side(parts, "dst")
         cast = loader_casts(src_layout, dst_layout) if allow_cast == "loader" else bool(allow_cast)
-        plan = make_plan(src_layout, dst_layout, budget_bytes=budget_bytes, allow_cast=cast,
-                         ignore_unused=ignore_unused)
-    r = Resharder(plan, dict(src_tensors or {}), dict(dst_tensors or {}), group, timeout=timeout, verify=verify)
-    # tensors read from modules (megatron_source, live_tensors, read_hf_layout) carry where they live: a
-    # module or parameter replaced later is followed at the next refit, or refused on every rank
-    for side, tensors in (("src", src_tensors), ("dst", dst_tensors)):
-        ident = identity_of(tensors, side, rank=rank)
-        if ident is not None:
-            r.watch(side, ident.check)
-    return r
+    return (src_layout, dst_layout, {"budget_bytes": budget_bytes, "allow_cast": cast, "ignore_unused": ignore_unused},
+            next(iter(asked), None))
 
 
 FLOATING = frozenset({"float64", "float32", "bfloat16", "float16"})

@@ -13,19 +13,23 @@ paths, decided at prepare time from the live model (not from the engine version)
                 | no ``quant_method`` or the base class's     |  (checked: same storage as bound,
                 | no-op ``process_weights_after_loading``;    |  loader shape / dtype / strides)
                 | tensors vLLM never processes (router bias)  |
-    reprocess   | a ``quant_method`` that processes weights   | persistent loader-format buffers built
-                | (linears, embeddings, fused MoE)            |  once from vLLM's reload metadata
-                |                                             |  (``record_metadata_for_reloading``)
+    reprocess   | a ``quant_method`` that processes weights   | loader-format tensors of vLLM's own
+                | (linears, embeddings, fused MoE)            |  parameter classes, built from its reload
+                |                                             |  metadata (``record_metadata_for_reloading``)
     derived     | parameters post-load processing creates     | nowhere: re-derived by the processing
                 | (MLA ``W_UK_T`` / ``W_UV``)                 |
 
-After the transfer, :meth:`PostLoad.reprocess` runs vLLM's own processing the way its layerwise
-reload does (``vllm.model_executor.model_loader.reload``): each reprocessed module gets its
-loader-format buffers as parameters, ``process_weights_after_loading(model, model_config, device)``
-runs over the model (quant methods, then attention layers), and the result is copied back into the
-kernel tensors' existing storage wherever shapes agree (what CUDA graphs captured), the kernel
-tensors registered again.  The loader-format buffers are never registered between refits, so the
-plan bound to them stays valid for every refit.
+Where the loader format lives between and during refits is the refit mode's choice
+(:mod:`~mcore_reshard.integrations.vllm_refit_modes`): a persistent shadow copy (``"shadow"``) or one
+window of modules at a time (``"stream"``).  ``PostLoad`` itself holds only their metadata (vLLM's
+reload metadata: meta tensors, no memory) and runs vLLM's processing the way its layerwise reload
+does (``vllm.model_executor.model_loader.reload``): :meth:`PostLoad.process` gives a set of modules
+their loader-format tensors as parameters, runs vLLM's ``process_weights_after_loading`` over exactly
+those modules (quant methods; with ``final=True`` then the attention layers and the model's own
+hook, once per refit, as vLLM orders them), and copies the result back into the kernel tensors'
+existing storage wherever shapes agree (what CUDA graphs captured), the kernel tensors registered
+again.  Modules an attention layer reads in its processing (MLA's ``kv_b_proj``) are *deferred*:
+processed with the attention layers, their loader format kept until then.
 
 A model vLLM's loader did not build (a bare model class, no reload metadata) was never processed:
 its parameters are all written directly.
@@ -82,8 +86,27 @@ def _is_attention(module: torch.nn.Module) -> bool:
     return bool(is_deferred_attention_layer(module))
 
 
+@dataclass(eq=False)
+class Reprocessed:
+    """A module whose parameters vLLM's post-load processing changes: its full runtime ``name`` and,
+    per parameter, a meta tensor of the loader format (vLLM's parameter class and attributes, no
+    memory).  ``deferred``: an attention layer reads it in its own processing (MLA's ``kv_b_proj``),
+    so it is processed with the attention layers, once every module has arrived."""
+    module: torch.nn.Module
+    name: str
+    loader: dict[str, torch.Tensor]
+    deferred: bool = False
+
+    def names(self) -> list[str]:
+        return [_join(self.name, n) for n in self.loader]
+
+    def nbytes(self, pname: str) -> int:
+        """Bytes a tensor of parameter ``pname``'s loader format spans (its strides included)."""
+        return span_bytes(self.loader[pname])
+
+
 class PostLoad:
-    """The destination tensors of a vLLM model in loader format, and the post-load step after a refit.
+    """The destination tensors of a vLLM model in loader format, and vLLM's post-load processing.
 
     ``models``: ``{prefix: module}`` (``{"": model}``, plus ``{"mtp.": drafter}`` for the MTP draft);
     ``model_config`` / ``device``: what vLLM's ``process_weights_after_loading`` takes.  Example, a
@@ -93,8 +116,12 @@ class PostLoad:
         model.layers.1.mlp.gate.e_score_correction_bias direct    (never processed by vLLM)
         model.layers.0.self_attn.o_proj.weight          reprocess  (CPU linear: packed)
         model.layers.1.mlp.experts.w13_weight           reprocess  (CPU MoE: repacked in place)
+        model.layers.0.self_attn.kv_b_proj.weight       reprocess, deferred (MLA reads it)
         model.layers.0.self_attn.mla_attn.mla_attn.W_UV derived    (re-derived from kv_b_proj)
-    """
+
+    ``tensors``: runtime name -> what a refit writes, for the layout checks (the live parameter on
+    the direct path, a meta tensor of the loader format on the reprocess path: a refit mode
+    places it)."""
 
     def __init__(self, models: Mapping[str, torch.nn.Module], model_config: Any = None, device: Any = None, *,
                  shared: Mapping[str, torch.nn.Module] | None = None, post_load: str = "reprocess"):
@@ -107,9 +134,10 @@ class PostLoad:
             raise ValueError(f"post_load={post_load!r}: expected one of {', '.join(map(repr, POST_LOAD))}")
         self.models = {p: m for p, m in models.items() if m is not None}
         self.model_config, self.device = model_config, device
-        self.tensors: dict[str, torch.Tensor] = {}       # runtime name -> what the refit writes
+        self.tensors: dict[str, torch.Tensor] = {}       # runtime name -> what the refit writes (or its meta)
         self.paths = ModulePaths()
-        self._raw: list[tuple[torch.nn.Module, str, dict[str, torch.nn.Parameter]]] = []   # (module, name, raw)
+        self.reprocessed: list[Reprocessed] = []
+        self.owner: dict[str, tuple[Reprocessed, str]] = {}  # reprocess runtime name -> (its module, param name)
         self._bound: dict[str, tuple[torch.nn.Module, str, int, tuple, tuple]] = {}        # direct params
         self._attention: list[tuple[torch.nn.Module, str]] = []
         self.aliases: dict[str, str] = {}                 # runtime name -> the name it shares memory with
@@ -136,7 +164,14 @@ class PostLoad:
                 names = {n for n, p in module._parameters.items()
                          if p is not None and listed.get(id(p)) == _join(mname, n)}
                 self._classify(full, module, names, reload)
-        for name in list(self.paths.direct):               # one storage under two names: write it once
+        self._alias_shared(keys)
+        read = {id(m) for att, _ in self._attention for m in att.modules() if m is not att}
+        for rec in self.reprocessed:                       # what an attention layer's processing reads
+            rec.deferred = id(rec.module) in read
+
+    def _alias_shared(self, keys: dict) -> None:
+        """One storage under two direct names (``keys``: storage key -> first name): written once."""
+        for name in list(self.paths.direct):
             key = _key(self.tensors[name])
             if self.tensors[name].numel() and key in keys:
                 self.aliases[name] = keys[key]
@@ -159,16 +194,18 @@ class PostLoad:
         if reload is not None and _is_attention(module):
             self._attention.append((module, mname))
         if metas and _processes(module):
-            raw = _materialize(module, metas, reload)
+            loader = {n: reload[2].restore_layer_refs(_meta_like(m), module) for n, m in metas.items()}
             for n, p in own.items():                       # built after create_weights ("bias"): not on meta
-                if n not in raw and n in skip - _load_skip(reload):
-                    raw[n] = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
-            self._raw.append((module, mname, raw))
-            for n, t in raw.items():
-                self.tensors[_join(mname, n)] = t.detach()
+                if n not in loader and n in skip - _load_skip(reload):
+                    loader[n] = _meta_like(p)
+            rec = Reprocessed(module, mname, loader)
+            self.reprocessed.append(rec)
+            for n, t in loader.items():
+                self.tensors[_join(mname, n)] = t
+                self.owner[_join(mname, n)] = (rec, n)
                 self.paths.reprocess.append(_join(mname, n))
             for n in own:
-                if n in raw:
+                if n in loader:
                     continue
                 if n in skip:
                     self._direct(_join(mname, n), module, n)
@@ -209,51 +246,116 @@ class PostLoad:
                             "refit writes: prepare again (a new init_weight_transfer_engine / mcore_reshard_prepare)")
         return errs
 
-    def reprocess(self) -> dict:
-        """After the transfer: vLLM's post-load processing over the loader-format buffers, the result
-        copied into the kernel tensors' storage.  Returns what it did."""
-        if not self._raw and not self._attention:
-            return {"reprocessed": 0, "attention": 0}
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        kernels = [(m, {n: p for n, p in m._parameters.items() if p is not None})
-                   for m in [m for m, _, _ in self._raw] + [m for m, _ in self._attention]]
-        for module, _, raw in self._raw:
-            module._parameters.update(raw)
-        forced = [mname for module, mname, _ in self._raw if _force_first_load(module)]
-        with torch.no_grad():
-            try:
-                for model in self.models.values():
-                    process_weights_after_loading(model, self.model_config, self.device)
-            except Exception as e:
-                for module, kernel in kernels:     # never leave the loader-format buffers registered
-                    module._parameters.update(kernel)
-                raise ReshardError(
-                    f"vLLM's post-load processing failed after the refit ({type(e).__name__}: {str(e)[:300]}): "
-                    "the parameters written in place hold the new weights, the reprocessed modules still the "
-                    "previous refit's; refit again once the cause is fixed") from e
-            replaced = _restore_kernels(kernels)
-        return {"reprocessed": len(self._raw), "attention": len(self._attention), "first_load_branch": forced,
-                "replaced": replaced}
+    def process(self, modules: list[tuple[Reprocessed, dict]], *, final: bool = False,
+                scratch: torch.Tensor | None = None) -> dict:
+        """vLLM's post-load processing of ``modules`` (each with its loader-format tensors, filled by
+        the refit), the results copied into the kernel tensors' storage and the kernel tensors
+        registered again.  ``final``: then the attention layers and each model's own
+        ``process_weights_after_loading`` hook (once per refit, last, as vLLM does).  The
+        loader-format tensors are never left registered, also when processing fails (then
+        :class:`ReshardError`, saying what is half-done).  ``scratch``: memory the loader-format
+        tensors live in that will be reused: whatever processing leaves referring to it is copied
+        out (reported as ``copied_out``).  Returns what it did; ``replaced``: processed tensors of
+        another shape than the kernel tensor they replace (left registered)."""
+        attention = [m for m, _ in self._attention] if final else []
+        return _process(modules, attention, list(self.models.values()) if final else [], self.model_config,
+                        self.device, scratch)
 
     def report(self) -> dict:
-        return {"recorded": self.recorded, "direct": len(self.paths.direct), "reprocess": len(self.paths.reprocess),
-                "derived": len(self.paths.derived)}
+        deferred = sum(len(r.loader) for r in self.reprocessed if r.deferred)
+        return {"recorded": self.recorded, **{k: len(v) for k, v in vars(self.paths).items()}, "deferred": deferred}
 
 
-def _materialize(module: torch.nn.Module, metas: Mapping[str, torch.Tensor], reload) -> dict:
-    """Zeroed loader-format parameters, of vLLM's own parameter classes and attributes (what the
-    processing reads: ``output_dim``, ``weight_loader``, ...), on the module's device."""
-    _, meta_mod, sanitize = reload
-    device = next((p.device for p in module._parameters.values() if p is not None and not p.is_meta), None)
-    out = {}
-    with torch.device(device or "cpu"):
-        for n, m in metas.items():
-            t = meta_mod.materialize_meta_tensor(sanitize.restore_layer_refs(m, module))
-            with torch.no_grad():
-                t.zero_()
-            out[n] = t
+def unwritten(post: PostLoad, written) -> list[str]:
+    """Reprocess-path tensors of a module the refit writes only partly (``written``: the names it
+    writes): vLLM's processing would run over loader-format memory nothing wrote.  Each a message."""
+    written = set(written)
+    out = []
+    for rec in post.reprocessed:
+        names = rec.names()
+        missing = [n for n in names if n not in written]
+        if missing and len(missing) < len(names):
+            out.append(f"{rec.name}: the refit writes {sorted(set(names) - set(missing))} but not {missing}: "
+                       "vLLM's post-load processing of this module needs all of them")
     return out
 
+
+def _process(modules: list, attention: list, models: list, model_config, device, scratch) -> dict:
+    """:meth:`PostLoad.process` (``models``: those whose own hook runs, i.e. ``final``)."""
+    if not modules and not attention:
+        return {"reprocessed": 0, "attention": 0, "first_load_branch": [], "replaced": [], "copied_out": []}
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    kernels = [(m, {n: p for n, p in m._parameters.items() if p is not None})
+               for m in [rec.module for rec, _ in modules] + attention]
+    for rec, raw in modules:
+        rec.module._parameters.update(raw)
+    forced = [rec.name for rec, _ in modules if _force_first_load(rec.module)]
+    with torch.no_grad():
+        try:
+            process_weights_after_loading(_Only([rec.module for rec, _ in modules] + attention), model_config, device)
+            for model in models:
+                hook = getattr(model, "process_weights_after_loading", None)
+                if callable(hook):
+                    hook()
+        except Exception as e:
+            for module, kernel in kernels:     # never leave the loader-format tensors registered
+                module._parameters.update(kernel)
+            raise ReshardError(
+                f"vLLM's post-load processing failed after the refit ({type(e).__name__}: {str(e)[:300]}) "
+                f"while processing {', '.join(rec.name for rec, _ in modules[:4])}"
+                f"{' and the attention layers' if attention else ''}: modules processed before hold the new "
+                "weights, these and the later ones the previous refit's; refit again once the cause is fixed") from e
+        replaced = _restore_kernels(kernels, {id(t) for _, raw in modules for t in raw.values()})
+        copied = _release([m for m, _ in kernels], scratch) if scratch is not None else []
+    return {"reprocessed": len(modules), "attention": len(attention), "first_load_branch": forced,
+            "replaced": replaced, "copied_out": copied}
+
+
+class _Only(torch.nn.Module):
+    """The modules given, and only those, as one module tree's ``named_modules``: what vLLM's
+    ``process_weights_after_loading`` walks, so that it processes exactly them, in this order."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        super().__init__()
+        self.__dict__["_only"] = list(modules)           # not registered: no recursion into children
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        for i, m in enumerate(self.__dict__["_only"]):
+            yield f"{prefix}{i}", m
+
+    def modules(self):
+        for _, m in self.named_modules():
+            yield m
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor of ``t``'s shape, strides and dtype spans in its storage (``t`` may be meta)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def loader_tensor(meta: torch.Tensor, storage: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """A loader-format tensor of ``meta``'s class, attributes, shape, strides and dtype: zeroed new
+    memory on ``device``, or a view of ``storage`` (a uint8 tensor of at least :func:`span_bytes`)."""
+    if storage is None:
+        t = torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype, device=device)
+        with torch.no_grad():
+            t.zero_()
+    else:
+        flat = storage[:span_bytes(meta)].view(meta.dtype) if meta.numel() else storage[:0].view(meta.dtype)
+        t = flat.as_strided(tuple(meta.shape), tuple(meta.stride()))
+    t.__class__ = meta.__class__
+    t.__dict__.update(meta.__dict__)
+    return t
+
+
+def _meta_like(p: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``p``'s class, attributes, shape, strides and dtype."""
+    t = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device="meta")
+    t.__class__ = p.__class__
+    t.__dict__.update(p.__dict__)
+    return t
 
 
 def _force_first_load(module: torch.nn.Module) -> bool:
@@ -267,10 +369,12 @@ def _force_first_load(module: torch.nn.Module) -> bool:
     return True
 
 
-def _restore_kernels(kernels: list) -> list[str]:
+def _restore_kernels(kernels: list, raw: set) -> list[str]:
     """After processing: each kernel tensor (``(module, {name: tensor})`` saved before it) gets the
     processed values copied into its own storage and is registered again (the storage CUDA graphs
-    captured); a processed tensor of another shape stays registered instead.  Returns those names."""
+    captured); a processed tensor of another shape stays registered instead.  A loader-format
+    tensor (``raw``: their ids) of no kernel tensor's name is unregistered (vLLM's reload keeps the
+    kernel tensors only).  Returns the names left registered with another shape."""
     replaced = []
     for module, kernel in kernels:
         for n, old in kernel.items():
@@ -284,7 +388,29 @@ def _restore_kernels(kernels: list) -> list[str]:
                 module._parameters[n] = old
             else:
                 replaced.append(n)
+        for n in [n for n, t in module._parameters.items() if n not in kernel and id(t) in raw]:
+            del module._parameters[n]
     return replaced
+
+
+def _release(modules: list, scratch: torch.Tensor) -> list[str]:
+    """Tensors the processing of ``modules`` left referring to ``scratch``'s memory (a parameter,
+    buffer or tensor attribute): each replaced by a copy, so that the memory can be reused.
+    Returns their names."""
+    ptr = scratch.untyped_storage().data_ptr()
+    out = []
+    for module in modules:
+        for table in (module._parameters, module._buffers, vars(module)):
+            for n, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and t.device == scratch.device and t.numel() and \
+                        t.untyped_storage().data_ptr() == ptr:
+                    c = t.detach().clone()
+                    if isinstance(t, torch.nn.Parameter):
+                        c = torch.nn.Parameter(c, requires_grad=False)
+                        c.__dict__.update(t.__dict__)
+                    table[n] = c
+                    out.append(n)
+    return out
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -304,4 +430,4 @@ def _skip(reload) -> set:
     return set(reload[1].SKIP_TENSORS) if reload is not None else set()
 
 
-__all__ = ["FIRST_LOAD_BRANCH", "POST_LOAD", "ModulePaths", "PostLoad"]
+__all__ = ["FIRST_LOAD_BRANCH", "POST_LOAD", "ModulePaths", "PostLoad", "Reprocessed", "loader_tensor", "span_bytes", "unwritten"]

@@ -8,7 +8,6 @@ Imports vLLM: read its classes through :mod:`~mcore_reshard.integrations.vllm_tr
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from ..core.executor import ReshardError
-from ..core.planner import DEFAULT_BUDGET
+from ..core.planner import DEFAULT_BUDGET, DEFAULT_WINDOW
+from ..core.planner.windows import check_window_bytes
 from .hooks import run_post_refit
 from .protocol import (
     build_layout,
@@ -25,13 +25,13 @@ from .protocol import (
     engine_identity,
     engine_rank,
     join_group,
-    join_refit,
     leave_group,
     rank_part,
     spec_text,
-    timed_refit,
 )
 from .vllm_postload import PostLoad
+from .vllm_refit import EngineRefit, guard_of, join_engine
+from .vllm_refit_modes import check_mode
 from .vllm_transfer import REPORTS_KEPT, plan_kwargs
 from .vllm_worker import MTP_PREFIX, vllm_coords, vllm_names, vllm_spec
 
@@ -47,7 +47,13 @@ class _WorkerView:
 
 @dataclass
 class McoreReshardInitInfo(WeightTransferInitInfo):
-    """Worker side of the rendezvous (sent by the trainer's sender through the client)."""
+    """Worker side of the rendezvous (sent by the trainer's sender through the client).
+
+    ``refit_mode``: ``"stream"`` (default: no second copy of the weights; the engine pauses for the
+    transfer, window by window of ``window_bytes``) or ``"shadow"`` (a persistent loader-format
+    copy: ``update_weights`` starts the transfer and returns, the engine keeps generating on the
+    previous weights, ``finish_weight_update`` waits for it and swaps); see
+    :mod:`~mcore_reshard.integrations.vllm_refit_modes`."""
     init_method: str
     world_size: int
     rank_offset: int
@@ -60,6 +66,8 @@ class McoreReshardInitInfo(WeightTransferInitInfo):
     ignore_unused: bool = True
     verify: bool = False
     post_load: str = "reprocess"          # "none": the model was never processed (a bare model class)
+    refit_mode: str = "stream"
+    window_bytes: int = DEFAULT_WINDOW
 
 
 @dataclass
@@ -69,8 +77,10 @@ class McoreReshardUpdateInfo(WeightTransferUpdateInfo):
 
 class McoreReshardWeightTransferEngine(WeightTransferEngine):
     """Worker side: joins the shared group at ``init_transfer_engine``; the first update of the
-    main model (and of the draft) plans and binds once, every update then writes its shards
-    in place (collective with the trainer's ``send_weights``)."""
+    main model (and of the draft) plans and binds once (:func:`~.vllm_refit.join_engine`), every
+    update then writes its shards in place (collective with the trainer's ``send_weights``).
+    ``init_transfer_engine`` again (a new group, e.g. after a trainer died) leaves the old group
+    and binds anew at the next update."""
     init_info_cls = McoreReshardInitInfo
     update_info_cls = McoreReshardUpdateInfo
     supports_draft_weight_update = True
@@ -80,10 +90,7 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
         self.group = None
         self.info: McoreReshardInitInfo | None = None
         self.rank = -1
-        self.resharders: dict[str, Any] = {}
-        self.postload: dict[str, PostLoad | None] = {}
-        self.identities: dict[str, Any] = {}
-        self.written: set[str] = set()
+        self.refits: dict[str, EngineRefit] = {}
         self.reports: list[dict] = []
 
     # -------------------------------------------------------------- helpers
@@ -93,6 +100,9 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
     def _is_draft(self) -> bool:
         return self.model is not self._default_model
 
+    def _key(self) -> str:
+        return "draft" if self._is_draft() else "main"
+
     def _report(self, rep: dict) -> None:
         self.reports.append(rep)
         del self.reports[:-REPORTS_KEPT]
@@ -101,8 +111,8 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
         """(dst part, tensors, PostLoad, error) for the main model or the draft (``mtp.`` buffers only).
 
         The tensors are the model's parameters in vLLM's *loader* format (:class:`PostLoad`):
-        the live parameter where post-load processing leaves it alone, a persistent loader-format
-        buffer where processing repacks or replaces it (re-processed after every refit)."""
+        the live parameter where post-load processing leaves it alone, the loader format's
+        metadata where processing repacks or replaces it (the refit mode places it)."""
         info, rank = self.info, self.rank
         try:
             if draft:
@@ -124,21 +134,21 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
             if errs:
                 return None, {}, None, " | ".join(errs)
             return part, {n: t for n, t in tensors.items() if n in part.buffers.get(rank, {})}, post, None
-        except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the join
             return None, {}, None, f"rank {rank}: {type(e).__name__}: {e}"
 
-    def _resharder(self, draft: bool):
+    def _refit(self, draft: bool) -> EngineRefit:
         key = "draft" if draft else "main"
-        if key not in self.resharders:
+        if key not in self.refits:
             dst, tensors, post, error = self._destination(draft)
             info = self.info
-            self.resharders[key] = join_refit(self.group, dst=dst, dst_tensors=tensors, error=error,
-                                              timeout=info.timeout_s, **plan_kwargs(vars(info)))
-            self.postload[key] = post
-            # mcore_reshard: the modules holding what the refit writes (a module replaced later: refused)
-            self.identities[key] = engine_identity({MTP_PREFIX if draft else "": self.model if draft else
-                                                    self._default_model}, tensors, self.rank)
-        return self.resharders[key]
+            models = [self.model] if draft else [self._default_model]
+            self.refits[key] = join_engine(self.group, self.rank, post, dst, tensors, error, mode=info.refit_mode,
+                                           window_bytes=info.window_bytes, models=models, timeout=info.timeout_s,
+                                           identity=engine_identity({MTP_PREFIX if draft else "": models[0]}, tensors,
+                                                                    self.rank),
+                                           **plan_kwargs(vars(info)))
+        return self.refits[key]
 
     # -------------------------------------------------------------- vLLM API
     def init_transfer_engine(self, init_info) -> None:
@@ -147,18 +157,22 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
                            init_info.world_size, f"worker ({c})")
         check_join_args(init_info.init_method, init_info.world_size, rank, init_info.timeout_s,
                         init_info.group_backend)
+        check_mode(init_info.refit_mode)
+        check_window_bytes(init_info.window_bytes)
+        if any(r.in_flight for r in self.refits.values()):
+            raise ReshardError("init_weight_transfer_engine while a shadow transfer is in flight: finish it first")
+        if self.group is not None:        # a new group (the old one may be broken): leave it first
+            leave_group(self.group)
+            self.group = None
+        self.refits = {}
         self.info, self.rank = init_info, rank
         self.group = join_group(init_info.init_method, int(init_info.world_size), self.rank,
                                 backend=init_info.group_backend, timeout_s=float(init_info.timeout_s))
-        self.resharders, self.postload, self.written = {}, {}, set()
-        self.identities: dict[str, Any] = {}
 
     def start_weight_update(self) -> None:
-        """Opens an update.  The loader-format buffers persist across refits (the plan stays
-        bound to them): nothing is restored into the model until :meth:`finish_weight_update`."""
+        """Opens an update (nothing moves yet)."""
         if self.group is None:
             raise ReshardError("start_weight_update before init_weight_transfer_engine")
-        self.written = set()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -166,30 +180,34 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info) -> None:
-        draft = self._is_draft()
-        key = "draft" if draft else "main"
-        r = self._resharder(draft)
-        post = self.postload.get(key)
-        refusal = post.check_storage() if post is not None else []
-        refusal += self.identities[key].check()[0] if key in self.identities else []   # mcore_reshard: replaced modules
-        self._report(timed_refit(r, self.rank, update_info.version, refusal=refusal))
-        self.written.add(key)
+        """Mode ``stream``: the whole transfer, each window processed as it lands.  Mode ``shadow``:
+        starts the transfer in the background and returns."""
+        self._report(self._refit(self._is_draft()).transfer(update_info.version))
 
     def finish_weight_update(self) -> None:
-        """vLLM's post-load processing over what the update wrote (:meth:`PostLoad.reprocess`), then
-        the post-refit hooks (FP8 guard; MLA ``W_UK_T``/``W_UV`` when processing did not redo them)."""
-        key = "draft" if self._is_draft() else "main"
-        post = self.postload.get(key)
-        rep: dict[str, Any] = {}
-        if post is not None and key in self.written:
-            t0 = time.monotonic()
-            rep["post_load"] = {**post.reprocess(), "seconds": round(time.monotonic() - t0, 4)}
-        skip = ("mla_absorb",) if rep.get("post_load", {}).get("attention") else ()
-        rep["post_refit"] = run_post_refit("vllm", [self.model], owners=[], strict=True, skip=skip)
-        self._report(rep)
-        self.written.discard(key)
+        """Completes the update (:meth:`~.vllm_refit.EngineRefit.complete`: shadow: waits for the
+        transfer and swaps), then the post-refit hooks (FP8 guard; MLA ``W_UK_T``/``W_UV`` when
+        processing did not redo them)."""
+        key = self._key()
+        r = self.refits.get(key)
+        if r is None:
+            return
+
+        def hooks(rep: dict) -> dict:
+            skip = ("mla_absorb",) if rep.get("post_load", {}).get("attention") else ()
+            return run_post_refit("vllm", [self.model], owners=[], strict=True, skip=skip)
+        self._report(r.complete(hooks))
+
+    def state(self) -> dict:
+        """What a client reads (``collective_rpc`` on the worker): per model, whether the engine
+        serves (``serving``, and why not: ``refusing``) and the refit state."""
+        out = {"rank": self.rank, "serving": guard_of(self._default_model).serving,
+               "refusing": guard_of(self._default_model).reason}
+        for key, r in self.refits.items():
+            out[key] = r.state()
+        return out
 
     def shutdown(self) -> None:
         if self.group is not None:
             leave_group(self.group)
-        self.group, self.resharders, self.postload = None, {}, {}
+        self.group, self.refits = None, {}

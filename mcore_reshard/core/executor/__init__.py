@@ -48,7 +48,9 @@ Units (no cycles; each imports only those above it):
 * :mod:`.transfer` -- :class:`~.transfer.Refit`, the one object owning a binding's refit state (the binding, swapped
   whole; the group's :class:`~.transfer.Channel`; versions, interruption, pending operations), whose methods are a
   refit's steps: start, rounds with the local copies overlapped, confirmation;
-* :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state (delegating refits to its :class:`~.transfer.Refit`).
+* :mod:`.resharder` -- :class:`Resharder`: binding, rebind, state (delegating refits to its :class:`~.transfer.Refit`);
+* :mod:`.windowed` -- :class:`WindowedResharder`: a windowed plan (one Resharder per window, one staging
+  buffer), refit window after window with the caller's work between (streamed engine refits).
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ from .errors import ReshardError, TransferError
 from .handshake import GatherChecked, agree, all_gather_json, all_or_none
 from .owners import kind_problem
 from .resharder import Resharder
+from .windowed import WindowedResharder
 
 __all__ = ["GatherChecked", "Resharder", "ReshardError", "TransferError", "agree", "all_gather_json", "all_or_none", "digest_of", "dtype_name",
            "kind_problem",
-           "staging_size", "torch_dtype"]
+           "staging_size", "torch_dtype", "WindowedResharder"]

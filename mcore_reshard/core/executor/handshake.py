@@ -35,6 +35,7 @@ class Step(enum.IntEnum):
     # instead of gloo aborting the process on a size mismatch
     METADATA_EXCHANGE = 5
     REUSE_CHECK = 6        # dtensor_reshard: every rank found the same cached binding
+    WINDOWED_END = 7       # the end of a windowed refit: every rank's work after the last window done
 
     @property
     def label(self) -> str:

@@ -26,6 +26,7 @@ Modules: :mod:`.plan` (plan data, JSON, hash), :mod:`.index` (source index, chec
 :mod:`.packing` (round packing and messages), :mod:`.stats` (per-rank parts, totals),
 :mod:`.plan_check` (self-consistency of a received plan), :mod:`.templates` (layers planned once per
 geometry) and :mod:`.placement` (their messages into rounds), :mod:`.topology` (two-level plans),
+:mod:`.windows` (a destination cut into windows of whole modules, one plan each: streamed refits),
 :mod:`.traffic` (a plan's traffic totals without its copies, for cost models and reports).
 Import from this package.
 """
@@ -57,6 +58,7 @@ from .stats import _stats, plan_part, plan_stats
 from .templates import TemplatedPlan, make_templated
 from .topology import COPY_SHARE, Topology, link_stats, plan_forwarding, split_unstaged
 from .traffic import PlanTraffic, plan_traffic
+from .windows import DEFAULT_WINDOW, Window, WindowedPlan, make_windowed_plan, partition
 
 
 def make_plan(src: Layout, dst: Layout, *, budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool = False,
@@ -174,6 +176,7 @@ def _buffer_meta(src: Layout, dst: Layout, padding: list) -> dict:
     return {"src": side(src, False), "dst": side(dst, True)}
 
 
-__all__ = ["ALIGN", "DEFAULT_BUDGET", "PLAN_VERSION", "Copy", "CopyPlan", "Message", "Plan", "StoredPlan", "PlanError", "PlanTraffic",
-           "TemplatedPlan", "Topology", "make_plan", "plan_traffic",
+__all__ = ["ALIGN", "DEFAULT_BUDGET", "DEFAULT_WINDOW", "PLAN_VERSION", "Copy", "CopyPlan", "Message", "Plan", "StoredPlan",
+           "PlanError", "PlanTraffic", "TemplatedPlan", "Topology", "Window", "WindowedPlan", "make_plan", "make_windowed_plan",
+           "partition", "plan_traffic",
            "plan_part", "plan_stats", "validate_plan"]
