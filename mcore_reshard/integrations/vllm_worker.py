@@ -135,6 +135,20 @@ def vllm_names(worker, live) -> str:
     return vote or "current"
 
 
+def _worker_device(worker):
+    dev = getattr(worker, "device", None) or getattr(getattr(worker, "model_runner", None), "device", None)
+    return dev if dev is not None else torch.device("cpu")
+
+
+def _runner_identity(runner, mtp: bool, tensors, rank: int):
+    """The models a worker's refit writes, as the runner holds them (a model the engine replaced on its
+    runner, or a module inside it, is refused at the next refit: :func:`~.protocol.engine_identity`)."""
+    roots = {"": (runner, "model")}
+    if mtp:
+        roots[MTP_PREFIX] = (runner.drafter, "model")
+    return engine_identity(roots, tensors, rank)
+
+
 class McoreReshardWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); every public method is reachable
     through ``LLM.collective_rpc`` and returns a small picklable dict.
@@ -158,10 +172,6 @@ class McoreReshardWorkerExtension:
                 raise ReshardError("mtp=True but this worker's model_runner has no drafter.model (MTP draft model)")
             models[MTP_PREFIX] = draft
         return models
-
-    def _mr_device(self):
-        dev = getattr(self, "device", None) or getattr(getattr(self, "model_runner", None), "device", None)
-        return dev if dev is not None else torch.device("cpu")
 
     def _mr_has_drafter(self) -> bool:
         return getattr(getattr(getattr(self, "model_runner", None), "drafter", None), "model", None) is not None
@@ -211,7 +221,7 @@ class McoreReshardWorkerExtension:
         rank, mtp_on, post = st["rank"], False, None
         try:
             mtp_on = self._mr_has_drafter() if mtp == "auto" else bool(mtp)
-            post = PostLoad(self._mr_models(mtp_on), self.vllm_config.model_config, self._mr_device(),
+            post = PostLoad(self._mr_models(mtp_on), self.vllm_config.model_config, _worker_device(self),
                             post_load=post_load)
             live, aliases = post.tensors, post.aliases
             if spec is None:
@@ -224,10 +234,7 @@ class McoreReshardWorkerExtension:
             error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
         t0 = time.monotonic()
         models = list(self._mr_models(mtp_on).values()) if error is None else [self.model_runner.model]
-        roots = {"": (self.model_runner, "model")}
-        if mtp_on and error is None:
-            roots[MTP_PREFIX] = (self.model_runner.drafter, "model")
-        ident = engine_identity(roots, tensors, rank) if error is None else None
+        ident = _runner_identity(self.model_runner, mtp_on, tensors, rank) if error is None else None
         r = join_engine(st["group"], rank, post if error is None else None, dst, tensors if error is None else {},
                         error, mode=refit_mode, window_bytes=window_bytes, models=models, timeout=st["timeout_s"],
                         budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused, verify=verify,

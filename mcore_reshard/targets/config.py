@@ -117,6 +117,26 @@ class ModelConfig:
     def with_(self, **kw) -> "ModelConfig":
         return replace(self, **kw)
 
+    def to_hf_dict(self) -> dict:
+        """The Hugging Face ``config.json`` fields :func:`from_hf_config` reads back to this config (the
+        family's own field names only: ``from_hf_config(cfg.to_hf_dict()) == cfg``)."""
+        from .hf_fields import READ
+        out = {"model_type": self.model_type}
+        for name in sorted(READ[self.family]):
+            if name == "topk_method":
+                out[name] = "noaux_tc" if self.router_bias else "greedy"
+            elif name == "num_local_experts":
+                continue
+            elif name == "num_experts":
+                out[name] = self.n_routed_experts
+            elif name == "qk_head_dim":
+                out[name] = self.qk_head_dim
+            elif name == "mlp_only_layers":
+                out[name] = list(self.mlp_only_layers)
+            else:
+                out[name] = getattr(self, name)
+        return out
+
 
 # ----------------------------------------------------------------------------------- presets
 

@@ -129,10 +129,7 @@ _RSS_AT_EXIT = ("import atexit, resource, sys; "
 
 def hf_config_json(cfg) -> dict:
     """A Hugging Face config.json of ``cfg`` (what ``mcore-reshard plan --config`` reads back)."""
-    import dataclasses
-    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
-    out["mlp_only_layers"] = list(out["mlp_only_layers"])
-    return out
+    return cfg.to_hf_dict()
 
 
 def run_cli(name: str, timeout: float = 600) -> dict:
