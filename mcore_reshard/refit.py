@@ -34,6 +34,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .colocate import DEFAULT_TIMEOUT as COLOCATED_TIMEOUT
+from .colocate import ColocatedPeer, accept_trainer, check_colocated
 from .core.executor import GatherChecked, Resharder, ReshardError, all_or_none
 from .core.executor.common import check_timeout
 from .core.layout import Layout, merge_layouts
@@ -76,23 +78,40 @@ class MegatronRefit:
 
     ``topology`` (a :class:`~mcore_reshard.core.planner.Topology`, a domain size, a rank -> domain
     list or a cost-model preset): a two-level plan (what several receivers of one NVLink domain need
-    crosses the network once and is forwarded inside the domain); not with ``quantize``."""
+    crosses the network once and is forwarded inside the domain); not with ``quantize``.
+
+    ``colocated={"channel": path, "device": key}`` (with ``src_chunks=[]``): this process shares its
+    device with a trainer rank in another process that is not a member of ``group``; it maps that
+    rank's tensors (:class:`~mcore_reshard.colocate.ColocatedTrainer` on the trainer side) and holds
+    its source part (:mod:`mcore_reshard.colocate`, the group ranks: :mod:`mcore_reshard.core.devices`)."""
 
     def __init__(self, src_chunks: Sequence[torch.nn.Module], dst_chunks: Sequence[torch.nn.Module] = (), group=None, *,
                  target: tuple[Layout, dict] | None = None, family: str = "auto", budget_bytes: int = DEFAULT_BUDGET,
                  allow_cast: bool = False, ignore_unused: bool = False, vocab_size: int | None = None,
-                 timeout: float | None = None, verify: bool = False, quantize=None, topology=None):
+                 timeout: float | None = None, verify: bool = False, quantize=None, topology=None,
+                 colocated: dict | None = None):
         timeout = check_timeout(timeout)     # bad numbers: refused here, before anything is exchanged
         budget_bytes = check_budget(budget_bytes)
+        colocated = check_colocated(colocated)
         rank = dist.get_rank(group)
         src_t, dst_t = {}, {}
+        self.colocated: ColocatedPeer | None = None
         with GatherChecked(group, "reading the models", timeout=timeout) as g:
-            src_l, src_t = read_layout(src_chunks, rank)
+            if colocated is not None:
+                if src_chunks or quantize is not None:
+                    raise ValueError("colocated=: this process proxies its device's trainer rank, so src_chunks=[] "
+                                     "(the trainer's tensors come mapped) and no quantize=")
+                self.colocated = accept_trainer(colocated["channel"], device=colocated["device"], rank=rank,
+                                                timeout=timeout or COLOCATED_TIMEOUT)
+                src_l, src_t = self.colocated.layout, self.colocated.tensors
+            else:
+                src_l, src_t = read_layout(src_chunks, rank)
             if target is not None and dst_chunks:
                 raise ValueError("pass either dst_chunks (a Megatron target) or target=(layout, tensors), not both")
             dst_l, dst_t = target if target is not None else read_layout(dst_chunks, rank)
             g.payload.update(src=src_l.to_json(), dst=dst_l.to_json(), canonical_dst=target is not None,
-                             src_cfg=model_config(src_chunks), dst_cfg=model_config(dst_chunks))
+                             src_cfg=self.colocated.config if self.colocated else model_config(src_chunks),
+                             dst_cfg=model_config(dst_chunks))
         parts = g.parts
         # Everything below is deterministic given the gathered parts, but any failure is still
         # exchanged so that no rank can be left waiting in the Resharder's handshake.
@@ -135,6 +154,8 @@ class MegatronRefit:
                                        layouts=(self.src_layout, self.dst_layout))
             for ident in self.identities:
                 self.resharder.watch(ident.side, ident.check)
+            if self.colocated is not None:
+                self.resharder.watch("src", self.colocated.check)
 
     def refit(self, version: int | None = None) -> dict:
         """Every weight once (collective).  First, on every rank, what was bound is checked: a model
@@ -146,6 +167,8 @@ class MegatronRefit:
         if isinstance(self.resharder, Fp8Resharder):
             refusal = [p for ident in self.identities for p in ident.check()[0]]
             return self.resharder.refit(version, refusal=refusal or None)
+        if self.colocated is not None:
+            return self.colocated.run(lambda: self.resharder.refit(version))
         return self.resharder.refit(version)
 
     def state(self) -> dict:
@@ -153,3 +176,8 @@ class MegatronRefit:
 
     def rebind(self, group=None) -> None:
         self.resharder.rebind(group)
+
+    def close(self) -> None:
+        """Drops a colocated trainer's mappings and its channel (nothing to do otherwise)."""
+        if self.colocated is not None:
+            self.colocated.close()

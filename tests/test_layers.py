@@ -19,11 +19,11 @@ PKG = Path(__file__).resolve().parents[1] / "mcore_reshard"
 # family tables (mapper), megatron_dtensor gathers over the world and builds DTensors (next to
 # dtensor_reshard).
 LAYERS = {
-    1: ("layout descriptors", [("core.box", "core.mesh"), ("core.layout",), ("core.dtensor",), ("sources",)]),
+    1: ("layout descriptors", [("core.box", "core.mesh", "core.devices"), ("core.layout",), ("core.dtensor",), ("sources",)]),
     2: ("mapper", [("mapper", "targets"), ("fp8.quant_layout", "sources.hf_config")]),
     3: ("planner", [("core.planner",), ("fp8.regions",), ("fp8.groups",), ("fp8.shared",), ("fp8.quant_plan",)]),
     4: ("executor", [("core.executor",), ("fp8.quant_resharder",)]),
-    5: ("integrations", [("refit", "dtensor_reshard", "integrations", "sources.megatron_dtensor"), ("export",)]),
+    5: ("integrations", [("colocate",), ("refit", "dtensor_reshard", "integrations", "sources.megatron_dtensor"), ("export",)]),
 }
 # under every layer, importing nothing of the package: utilities with no resharding logic, and the
 # packages that span layers (their __init__ only documents)

@@ -51,8 +51,11 @@ def _child(rank: int, world: int, init: str, timeout_s: float, fn: Callable, arg
     if threads:
         torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if init.startswith("none:"):        # world=False: the ranks build their own groups
+            os.environ["MCORE_RESHARD_LAUNCH_DIR"] = init[len("none:"):]
+        else:
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         out = (rank, True, json.dumps(fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         out = (rank, False, traceback.format_exc())
@@ -67,7 +70,7 @@ def _child(rank: int, world: int, init: str, timeout_s: float, fn: Callable, arg
 
 def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0,
            start_method: str = "spawn", preload: Sequence[str] = (), threads: int | None = None,
-           leave_at_once: bool = False) -> dict[int, RankOutcome]:
+           leave_at_once: bool = False, world: bool = True) -> dict[int, RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; every rank's :class:`RankOutcome`.
 
     ``fn`` must be importable (module level) and return JSON-serialisable data.  Ranks still running
@@ -75,14 +78,17 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, pg
     starts the children from a server that imported ``preload`` once (no effect once this process's
     forkserver runs); ``threads`` sets each child's torch threads; ``leave_at_once``: each child
     leaves with ``os._exit`` right after reporting, so a process group broken on purpose never
-    blocks teardown.
+    blocks teardown.  ``world=False``: no process group is made; each child finds a fresh directory
+    of its launch in ``$MCORE_RESHARD_LAUNCH_DIR`` for the rendezvous files of the groups it builds
+    (processes that must share no group: a colocated pair).
     """
     tmp = tempfile.mkdtemp(prefix="mcore-reshard-")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver" and preload:
         ctx.set_forkserver_preload(list(preload))
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world_size, f"file://{tmp}/rendezvous", pg_timeout, fn, args, results,
+    init = f"file://{tmp}/rendezvous" if world else f"none:{tmp}"
+    procs = [ctx.Process(target=_child, args=(r, world_size, init, pg_timeout, fn, args, results,
                                               threads, leave_at_once), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,181 @@
+"""Colocated scenarios: trainer and engine processes launched with no common process group
+(``launch(..., world=False)``); the group of a refit is built by :func:`join_group` over the device
+map's group ranks only, so a colocated pair shares none.
+
+Tensors: ``W`` [rows, 6] float32 and ``b`` [rows] bfloat16; the trainer holds them split in rows over
+its ranks (``TP``), every engine worker holds its own split over the workers.  Values are a function
+of (tensor, element, version), so every rank knows the expected bytes independently of the library."""
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import torch
+
+from mcore_reshard.colocate import ColocatedTrainer, accept_trainer
+from mcore_reshard.core.box import Box
+from mcore_reshard.core.devices import DeviceMap
+from mcore_reshard.core.executor import Resharder
+from mcore_reshard.core.layout import Buffer, Layout, Piece
+from mcore_reshard.core.planner import make_plan
+from mcore_reshard.integrations.protocol import join_group
+
+ROWS = 12
+SHAPES = {"W": ((ROWS, 6), torch.float32), "b": ((ROWS,), torch.bfloat16)}
+
+
+def expected(name: str, version: int) -> torch.Tensor:
+    shape, dtype = SHAPES[name]
+    n = 1
+    for s in shape:
+        n *= s
+    base = 1000 * (1 + list(SHAPES).index(name)) + version * 7
+    return (torch.arange(n, dtype=torch.float64) + base).reshape(shape).to(dtype)
+
+
+def split_layout(world: int, offset: int = 0) -> Layout:
+    lay = Layout()
+    for name, (shape, dtype) in SHAPES.items():
+        lay.add_tensor(name, shape, str(dtype).removeprefix("torch."))
+    rows = ROWS // world
+    for r in range(world):
+        for name, (shape, dtype) in SHAPES.items():
+            local = (rows, *shape[1:])
+            box = Box((r * rows,) + (0,) * (len(shape) - 1), local)
+            lbox = Box.full(local)
+            lay.add_buffer(offset + r, Buffer(name, local, str(dtype).removeprefix("torch."),
+                                              [Piece(name, box, lbox)]))
+    return lay
+
+
+def rank_tensors(world: int, r: int, version: int | None, fill: float = -1.0) -> dict:
+    rows = ROWS // world
+    out = {}
+    for name in SHAPES:
+        if version is None:
+            shape, dtype = SHAPES[name]
+            out[name] = torch.full((rows, *shape[1:]), fill, dtype=dtype)
+        else:
+            out[name] = expected(name, version)[r * rows:(r + 1) * rows].clone()
+    return out
+
+
+def write(tensors: dict, world: int, r: int, version: int) -> None:
+    for name, t in tensors.items():
+        t.copy_(rank_tensors(world, r, version)[name])
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mapped_regions() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/dev/shm" in line or "torch_" in line or "(deleted)" in line)
+
+
+def scenario(rank: int, nproc: int, trainer_devices: list, engine_devices: list, refits: int, fault: str | None,
+             timeout: float) -> dict:
+    """Process ``rank``: trainer rank ``rank`` when ``rank < len(trainer_devices)``, else engine worker
+    ``rank - len(trainer_devices)``.  ``fault``: None, "trainer_dies" (the proxied trainer exits before
+    refit 2), "trainer_silent" (it never calls refit 2), "moved" (it rebinds ``param.data`` before
+    refit 2: followed), "reshaped" (rebinds to another shape: refused), "worker_dies" (worker 0 exits
+    in refit 2)."""
+    dmap = DeviceMap(trainer_devices, engine_devices)
+    T, E = len(dmap.trainer), len(dmap.engine)
+    tmp = os.environ["MCORE_RESHARD_LAUNCH_DIR"]
+    init = f"file://{tmp}/group"
+    chan = {k: f"{tmp}/chan-{i}.sock" for i, k in enumerate(engine_devices)}
+    src_layout, dst_layout = split_layout(T), split_layout(E, dmap.rank_offset)
+    out = {"role": None, "versions": [], "errors": [], "fds": [], "maps": []}
+    if rank < T:
+        out["role"] = "trainer"
+        tensors = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in rank_tensors(T, rank, 0).items()}
+        grank = dmap.trainer_group_rank(rank)
+        if grank is None:                         # proxied: talk to the worker only
+            from mcore_reshard.integrations.protocol import rank_part
+            dev = dmap.trainer[rank]
+            t = ColocatedTrainer(rank_part(src_layout, rank), tensors, channel=chan[dev], device=dev, rank=rank,
+                                 timeout=timeout)
+            out["pair"] = True
+            for v in range(1, refits + 1):
+                write(tensors, T, rank, v)
+                if v == 2 and fault == "trainer_dies":
+                    os._exit(0)
+                if v == 2 and fault == "trainer_silent":
+                    time.sleep(timeout * 2)
+                    continue
+                if v == 2 and fault == "moved":
+                    tensors["W"].data = tensors["W"].detach().clone()
+                if v == 2 and fault == "reshaped":
+                    tensors["W"].data = tensors["W"].detach().clone().t().contiguous().t()[:, :]
+                    tensors["W"].data = torch.zeros(ROWS // T, 7)
+                try:
+                    out["versions"].append(t.refit(v)["version"])
+                except Exception as e:  # noqa: BLE001 - reported
+                    out["errors"].append(f"{type(e).__name__}: {e}")
+                out["fds"].append(open_fds())
+            t.close()
+            return out
+        g = join_group(init, dmap.group_size, grank, backend="gloo", timeout_s=timeout)
+        part = _own(src_layout, rank)
+        r = Resharder(make_plan(_relabel_src(src_layout, dmap), dst_layout), {n: tensors[n] for n in part}, {}, g,
+                      timeout=timeout)
+        for v in range(1, refits + 1):
+            write(tensors, T, rank, v)
+            if v == 2 and fault == "trainer_silent":
+                time.sleep(0.1)
+            try:
+                out["versions"].append(r.refit(v)["version"])
+            except Exception as e:  # noqa: BLE001
+                out["errors"].append(f"{type(e).__name__}: {e}")
+                if "rebind" in str(e) or "interrupt" in str(e):
+                    break
+        return out
+    out["role"] = "engine"
+    j = rank - T
+    grank = dmap.engine_group_rank(j)
+    proxied = dmap.proxied_by(j)
+    g = join_group(init, dmap.group_size, grank, backend="gloo", timeout_s=timeout)
+    dst = {n: t for n, t in rank_tensors(E, j, None).items()}
+    src, peer = {}, None
+    if proxied is not None:
+        peer = accept_trainer(chan[dmap.engine[j]], device=dmap.engine[j], rank=grank, timeout=timeout)
+        src = peer.tensors
+        out["mapped_bytes"] = peer.mapped_bytes
+    r = Resharder(make_plan(_relabel_src(src_layout, dmap), dst_layout), src, dst, g, timeout=timeout)
+    if peer is not None:
+        r.watch("src", peer.check)
+    out["plan_bytes"] = r.plan.stats.get("bytes_moved") if hasattr(r.plan, "stats") else None
+    for v in range(1, refits + 1):
+        if v == 2 and fault == "worker_dies" and j == 0:
+            os._exit(0)
+        try:
+            res = peer.run(lambda: r.refit(v)) if peer is not None else r.refit(v)
+            out["versions"].append(res["version"])
+            out.setdefault("sent", []).append(res.get("bytes_sent"))
+            ok = all(torch.equal(dst[n], rank_tensors(E, j, v)[n]) for n in dst)
+            out.setdefault("equal", []).append(ok)
+        except Exception as e:  # noqa: BLE001
+            out["errors"].append(f"{type(e).__name__}: {e}")
+            out.setdefault("equal", []).append(None)
+        gc.collect()
+        out["fds"].append(open_fds())
+        out["maps"].append(mapped_regions())
+    if peer is not None:
+        peer.close()
+    return out
+
+
+def _own(layout: Layout, rank: int) -> list:
+    return sorted(layout.buffers.get(rank, {}))
+
+
+def _relabel_src(src: Layout, dmap: DeviceMap) -> Layout:
+    """The trainer's layout on group ranks: a proxied trainer rank's buffers on its worker's group rank."""
+    out = Layout(dict(src.tensors), {})
+    for r, bufs in src.buffers.items():
+        g = dmap.trainer_group_rank(r)
+        out.buffers[dmap.engine_group_rank(dmap.proxies[r]) if g is None else g] = dict(bufs)
+    return out
