@@ -100,7 +100,8 @@ def scenario(rank: int, nproc: int, trainer_devices: list, engine_devices: list,
                                  timeout=timeout)
             out["pair"] = True
             for v in range(1, refits + 1):
-                write(tensors, T, rank, v)
+                if not (fault == "reshaped" and v > 2):
+                    write(tensors, T, rank, v)
                 if v == 2 and fault == "trainer_dies":
                     os._exit(0)
                 if v == 2 and fault == "trainer_silent":
@@ -109,7 +110,6 @@ def scenario(rank: int, nproc: int, trainer_devices: list, engine_devices: list,
                 if v == 2 and fault == "moved":
                     tensors["W"].data = tensors["W"].detach().clone()
                 if v == 2 and fault == "reshaped":
-                    tensors["W"].data = tensors["W"].detach().clone().t().contiguous().t()[:, :]
                     tensors["W"].data = torch.zeros(ROWS // T, 7)
                 try:
                     out["versions"].append(t.refit(v)["version"])
@@ -147,14 +147,14 @@ def scenario(rank: int, nproc: int, trainer_devices: list, engine_devices: list,
     r = Resharder(make_plan(_relabel_src(src_layout, dmap), dst_layout), src, dst, g, timeout=timeout)
     if peer is not None:
         r.watch("src", peer.check)
-    out["plan_bytes"] = r.plan.stats.get("bytes_moved") if hasattr(r.plan, "stats") else None
+    recv = sum(c.nbytes for m in r.plan.messages if m.dst == grank for c in m.entries)
     for v in range(1, refits + 1):
         if v == 2 and fault == "worker_dies" and j == 0:
             os._exit(0)
         try:
             res = peer.run(lambda: r.refit(v)) if peer is not None else r.refit(v)
             out["versions"].append(res["version"])
-            out.setdefault("sent", []).append(res.get("bytes_sent"))
+            out.setdefault("recv_bytes", []).append(recv)
             ok = all(torch.equal(dst[n], rank_tensors(E, j, v)[n]) for n in dst)
             out.setdefault("equal", []).append(ok)
         except Exception as e:  # noqa: BLE001
@@ -178,4 +178,75 @@ def _relabel_src(src: Layout, dmap: DeviceMap) -> Layout:
     for r, bufs in src.buffers.items():
         g = dmap.trainer_group_rank(r)
         out.buffers[dmap.engine_group_rank(dmap.proxies[r]) if g is None else g] = dict(bufs)
+    return out
+
+
+def megatron_scenario(rank: int, nproc: int, trainer: dict, engine: dict, dmap_json: dict, refits: int,
+                      timeout: float) -> dict:
+    """Megatron-Core -> Megatron-Core, colocated: processes ``[0, T)`` train (their own gloo world and
+    Megatron groups, sizes ``trainer``), ``[T, nproc)`` hold the destination model (their own world,
+    sizes ``engine``); the refit's group is built over the device map's group ranks only.  Between
+    refits the trainer changes its weights in place (refit 2) and moves one parameter to new storage
+    (refit 3: ``param.data = ...``, followed).  Reports the reference digests of full tensors
+    (gathered over each side's own Megatron groups: independent of the library) after each refit,
+    and the processes of every group this process is in."""
+    import megatron_refit_worker as mrw
+    import torch.distributed as dist
+
+    from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
+    dmap = DeviceMap.from_json(dmap_json)
+    T = len(dmap.trainer)
+    tmp = os.environ["MCORE_RESHARD_LAUNCH_DIR"]
+    is_trainer = rank < T
+    side_rank = rank if is_trainer else rank - T
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/{'trainer' if is_trainer else 'engine'}",
+                            rank=side_rank, world_size=T if is_trainer else nproc - T)
+    mcore_cpu.install_cpu_shims()
+    sizes = trainer if is_trainer else engine
+    mcore_cpu.init_megatron(sizes.get("tp", 1), ep=sizes.get("ep", 1), etp=sizes.get("etp"))
+    chunks = mcore_cpu.build_dsv3_tiny(dtype=torch.float32, mtp=False, num_layers=2)
+    if is_trainer:
+        mrw.perturb_replicated(chunks)
+    out = {"trainer": is_trainer, "digests": [], "groups": {"side": sorted(range(T) if is_trainer else range(T, nproc))},
+           "errors": [], "versions": []}
+    grank = dmap.trainer_group_rank(side_rank) if is_trainer else dmap.engine_group_rank(side_rank)
+    chan = {k: f"{tmp}/chan-{i}.sock" for i, k in enumerate(dmap.engine)}
+    refit, pair = None, None
+    if is_trainer and grank is None:
+        pair = ColocatedTrainer.megatron(chunks, side_rank, channel=chan[dmap.trainer[side_rank]],
+                                         device=dmap.trainer[side_rank], timeout=timeout)
+    else:
+        g = join_group(f"file://{tmp}/group", dmap.group_size, grank, backend="gloo", timeout_s=timeout)
+        out["groups"]["refit"] = sorted(dist.get_process_group_ranks(g)) and [grank]
+        proxied = None if is_trainer else dmap.proxied_by(side_rank)
+        colocated = None if proxied is None else {"channel": chan[dmap.engine[side_rank]],
+                                                  "device": dmap.engine[side_rank]}
+        refit = MegatronRefit(chunks if is_trainer else [], [] if is_trainer else chunks, group=g,
+                              timeout=timeout, colocated=colocated)
+        out["network_bytes"] = refit.plan.stats["network_bytes"]
+        out["local_bytes"] = refit.plan.stats["local_bytes"]
+        out["lower_bound_bytes"] = refit.plan.stats["lower_bound_bytes"]
+        out["mapped_bytes"] = refit.colocated.mapped_bytes if refit.colocated else 0
+    for v in range(1, refits + 1):
+        if is_trainer and v == 2:
+            with torch.no_grad():
+                for c in chunks:
+                    for p in c.parameters():
+                        p.add_(0.5)
+        if is_trainer and v == 3:
+            p = dict(chunks[0].named_parameters())["decoder.layers.0.self_attention.linear_proj.weight"]
+            p.data = p.detach().clone() - 0.25
+        try:
+            res = pair.refit(v) if pair is not None else refit.refit(v)
+            out["versions"].append(res["version"])
+        except Exception as e:  # noqa: BLE001 - reported
+            out["errors"].append(f"{type(e).__name__}: {e}")
+        out["digests"].append(mrw.reference_digests(chunks))
+    out["pid"] = os.getpid()
+    if pair is not None:
+        pair.close()
+    if refit is not None:
+        refit.close()
+    mcore_cpu.destroy_megatron()
     return out
