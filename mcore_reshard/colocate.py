@@ -268,6 +268,7 @@ class ColocatedPeer:
         seq = self._seq + 1
         try:
             out = refit()
+            _sync(self.tensors)           # on a GPU: every read of the trainer's memory has completed
         except BaseException as e:
             self._done(seq, False, f"{type(e).__name__}: {e}", transfer=isinstance(e, TransferError))
             raise
