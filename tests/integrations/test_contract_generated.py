@@ -147,7 +147,13 @@ def test_plan_from_json(counts, case):
 
 
 MR_CASES = ([("budget_bytes", k) for k in ("nan", "inf", "negative", "string", "bool", "float", "none")]
-            + [("timeout", k) for k in ("nan", "inf", "negative", "zero", "string", "bool")])
+            + [("timeout", k) for k in ("nan", "inf", "negative", "zero", "string", "bool")]
+            + [("colocated", k) for k in ("string", "bool", "keys", "extra", "empty_channel", "device_int",
+                                          "long_channel")])
+COLOCATED_BAD = {"string": "/tmp/x.sock", "bool": True, "keys": {"channel": "/tmp/x.sock"},
+                 "extra": {"channel": "/tmp/x.sock", "device": "a", "rank": 0},
+                 "empty_channel": {"channel": "", "device": "a"}, "device_int": {"channel": "/tmp/x.sock", "device": 0},
+                 "long_channel": {"channel": "/tmp/" + "c" * 200, "device": "a"}}
 
 
 @pytest.mark.parametrize("case", MR_CASES, ids=lambda c: "-".join(c))
@@ -155,7 +161,7 @@ def test_megatron_refit_numbers(counts, case):
     from mcore_reshard.refit import MegatronRefit
     arg, kind = case
     value = {"nan": math.nan, "inf": math.inf, "negative": -1, "zero": 0, "string": "5", "bool": True,
-             "float": 4096.0, "none": None}[kind]
+             "float": 4096.0, "none": None}.get(kind) if arg != "colocated" else COLOCATED_BAD[kind]
     o = cc.record(lambda: MegatronRefit([], [], **{arg: value}) and None)
     verdict = cc.judge(o, arg)
     counts("MegatronRefit", verdict)
