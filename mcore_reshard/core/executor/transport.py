@@ -9,7 +9,13 @@ the two point-to-point transports over a process group (:mod:`.rounds` does thei
 
 :func:`transport_for` chooses one per refit (the group's backend, ``overlap=``, ``MCORE_RESHARD_OVERLAP``).
 Another way to move a round's bytes (RDMA, a host-staged path) is another subclass: the refit
-(:class:`~.transfer.Refit`) calls nothing else of it."""
+(:class:`~.transfer.Refit`) calls nothing else of it.
+
+Same-device memory (a colocated trainer and engine worker, :mod:`mcore_reshard.colocate`) needs no
+round transport: the worker maps its device's trainer storages once
+(:mod:`.shared_storage`) and holds them as its own source tensors, so the plan turns every
+same-device byte into a local copy (:class:`~.transfer.LocalCopies`) and only cross-device bytes
+reach a transport -- no byte is staged twice, and no message is sent to a process on one's own device."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
