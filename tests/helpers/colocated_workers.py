@@ -187,7 +187,8 @@ def megatron_scenario(rank: int, nproc: int, trainer: dict, engine: dict, dmap_j
     Megatron groups, sizes ``trainer``), ``[T, nproc)`` hold the destination model (their own world,
     sizes ``engine``); the refit's group is built over the device map's group ranks only.  Between
     refits the trainer changes its weights in place (refit 2) and moves one parameter to new storage
-    (refit 3: ``param.data = ...``, followed).  Reports the reference digests of full tensors
+    (refit 3: ``param.data = ...``, followed), replaces a module by one with the same parameters (refit 4:
+    followed).  Reports the reference digests of full tensors
     (gathered over each side's own Megatron groups: independent of the library) after each refit,
     and the processes of every group this process is in."""
     import megatron_refit_worker as mrw
@@ -237,6 +238,9 @@ def megatron_scenario(rank: int, nproc: int, trainer: dict, engine: dict, dmap_j
         if is_trainer and v == 3:
             p = dict(chunks[0].named_parameters())["decoder.layers.0.self_attention.linear_proj.weight"]
             p.data = p.detach().clone() - 0.25
+        if is_trainer and v == 4:               # a module replaced (a LoRA merge): followed
+            layer = chunks[0].decoder.layers[0]
+            layer.mlp = mrw.clone_module(layer.mlp, add=0.125)
         try:
             res = pair.refit(v) if pair is not None else refit.refit(v)
             out["versions"].append(res["version"])

@@ -208,7 +208,7 @@ def test_two_hundred_refits_hold_descriptors_and_mappings_constant():
 def _megatron(engine_devices, engine_sizes):
     dm = {"trainer": ["a", "b"], "engine": engine_devices}
     n = 2 + len(engine_devices)
-    out = launch(cw.megatron_scenario, n, {"tp": 2}, engine_sizes, dm, 3, 60.0, world=False, timeout=400,
+    out = launch(cw.megatron_scenario, n, {"tp": 2}, engine_sizes, dm, 4, 60.0, world=False, timeout=400,
                  start_method="forkserver", preload=_preload(), threads=1, leave_at_once=True)
     return _ok(out)
 
@@ -217,12 +217,13 @@ def _megatron(engine_devices, engine_sizes):
     (["a", "b"], {"tp": 1, "ep": 2}), (["a", "c"], {"tp": 2}),
 ], ids=["tp2_to_ep2_all_colocated", "tp2_to_tp2_mixed"])
 def test_megatron_to_megatron_colocated(engine_devices, engine_sizes):
+    """Four refits: the weights changed in place, a parameter moved to new storage, a module replaced."""
     res = _megatron(engine_devices, engine_sizes)
     trainers = [res[0], res[1]]
     engines = [res[r] for r in range(2, 2 + len(engine_devices))]
     for o in res.values():
-        assert o["errors"] == [] and o["versions"] == [1, 2, 3], o
-    for v in range(3):   # every full tensor of the destination equals the trainer's, after every refit
+        assert o["errors"] == [] and o["versions"] == [1, 2, 3, 4], o
+    for v in range(4):   # every full tensor of the destination equals the trainer's, after every refit
         src = trainers[0]["digests"][v]
         assert trainers[1]["digests"][v] == src
         merged = {}                             # EP ranks each hold their own experts
