@@ -81,7 +81,7 @@ def scenario(rank: int, nproc: int, trainer_devices: list, engine_devices: list,
     ``rank - len(trainer_devices)``.  ``fault``: None, "trainer_dies" (the proxied trainer exits before
     refit 2), "trainer_silent" (it never calls refit 2), "moved" (it rebinds ``param.data`` before
     refit 2: followed), "reshaped" (rebinds to another shape: refused), "worker_dies" (worker 0 exits
-    in refit 2)."""
+    in refit 2), "worker_stalls" (worker 0 stalls in refit 2 after its copies, past the timeout)."""
     dmap = DeviceMap(trainer_devices, engine_devices)
     T, E = len(dmap.trainer), len(dmap.engine)
     tmp = os.environ["MCORE_RESHARD_LAUNCH_DIR"]
@@ -152,7 +152,9 @@ def scenario(rank: int, nproc: int, trainer_devices: list, engine_devices: list,
         if v == 2 and fault == "worker_dies" and j == 0:
             os._exit(0)
         try:
-            res = peer.run(lambda: r.refit(v)) if peer is not None else r.refit(v)
+            stall = v == 2 and fault == "worker_stalls" and j == 0    # read, then silent past the timeout
+            res = (peer.run(lambda: (r.refit(v), time.sleep(2 * timeout if stall else 0))[0]) if peer is not None
+                   else r.refit(v))
             out["versions"].append(res["version"])
             out.setdefault("recv_bytes", []).append(recv)
             ok = all(torch.equal(dst[n], rank_tensors(E, j, v)[n]) for n in dst)

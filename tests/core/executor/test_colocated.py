@@ -163,7 +163,7 @@ def test_colocated_refits_are_bit_exact_and_only_cross_device_bytes_use_the_grou
 
 @pytest.mark.parametrize("fault,checks", [
     ("moved", "followed"), ("reshaped", "refused"), ("trainer_dies", "dead"), ("trainer_silent", "silent"),
-    ("worker_dies", "worker"),
+    ("worker_dies", "worker"), ("worker_stalls", "stalled"),
 ])
 def test_colocated_faults_are_followed_or_reported_on_every_rank(fault, checks):
     t = 8.0
@@ -172,6 +172,13 @@ def test_colocated_faults_are_followed_or_reported_on_every_rank(fault, checks):
     if checks == "followed":                    # param.data = clone: exported again, the worker remaps it
         o = _ok(out)[2]
         assert o["equal"] == [True, True, True] and o["errors"] == [], o
+        return
+    if checks == "stalled":                     # no EOF: the trainer's wait runs out, naming the worker
+        trainer = res[0]
+        assert trainer["versions"][0] == 1 and 2 not in trainer["versions"], trainer
+        err = trainer["errors"][0]
+        assert "TransferError" in err and "colocated engine worker (pid" in err and "device 'a'" in err, err
+        assert "sent nothing within the timeout" in err, err
         return
     if checks == "worker":
         trainer = res[0]
