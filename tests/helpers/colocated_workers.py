@@ -257,3 +257,61 @@ def megatron_scenario(rank: int, nproc: int, trainer: dict, engine: dict, dmap_j
         refit.close()
     mcore_cpu.destroy_megatron()
     return out
+
+
+def hf_scenario(rank: int, nproc: int, timeout: float) -> dict:
+    """Megatron-Core TP2 (processes 0, 1 on devices a, b; their own world) -> a whole transformers
+    DeepseekV3ForCausalLM in process 2 on device a, through ``MegatronRefit(target=..., colocated=...)``:
+    the refit's group is {trainer rank 1, the HF process}; trainer rank 0 is proxied.  Returns the
+    HF digests (fused tensors cut by hand) / the trainer's reference digests and logits."""
+    import hf_refit_worker as hfw
+    import megatron_refit_worker as mrw
+    import torch.distributed as dist
+
+    from mcore_reshard.refit import MegatronRefit
+    from mcore_reshard.sources.hf_model import read_hf_layout
+    from mcore_reshard.testing import megatron_cpu as mcore_cpu
+    dmap = DeviceMap(["a", "b"], ["a"])
+    tmp = os.environ["MCORE_RESHARD_LAUNCH_DIR"]
+    is_trainer = rank < 2
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/{'trainer' if is_trainer else 'hf'}",
+                            rank=rank if is_trainer else 0, world_size=2 if is_trainer else 1)
+    mcore_cpu.install_cpu_shims()
+    mcore_cpu.init_megatron(2 if is_trainer else 1)
+    # top-4 of 4 groups' top-2: the group scoring both libraries share (tests/targets/test_hf_target.py)
+    chunks = mcore_cpu.build_dsv3_tiny(dtype=torch.float32, mtp=False, num_layers=2, topk=4)
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    chan = f"{tmp}/chan-a.sock"
+    out = {}
+    if is_trainer:
+        mrw.perturb_replicated(chunks)
+        out["logits"] = mcore_cpu.forward_logits(chunks, tokens).tolist()
+        out["ref"] = hfw.megatron_to_hf_digests(mrw.reference_digests(chunks))
+        if dmap.trainer_group_rank(rank) is None:
+            with ColocatedTrainer.megatron(chunks, rank, channel=chan, device="a", timeout=timeout) as pair:
+                out["version"] = pair.refit()["version"]
+        else:
+            g = join_group(f"file://{tmp}/group", dmap.group_size, dmap.trainer_group_rank(rank), backend="gloo",
+                           timeout_s=timeout)
+            refit = MegatronRefit(chunks, group=g, target=(Layout(), {}), ignore_unused=True, timeout=timeout)
+            out["version"] = refit.refit()["version"]
+        mcore_cpu.destroy_megatron()
+        return out
+    from transformers import DeepseekV3ForCausalLM
+    grank = dmap.engine_group_rank(0)
+    g = join_group(f"file://{tmp}/group", dmap.group_size, grank, backend="gloo", timeout_s=timeout)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(hfw.hf_config(chunks[0].config, chunks[0].vocab_size)).float().eval()
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+    mcore_cpu.destroy_megatron()
+    refit = MegatronRefit([], group=g, target=read_hf_layout(model, grank), ignore_unused=True, timeout=timeout,
+                          colocated={"channel": chan, "device": "a"})
+    out["version"] = refit.refit()["version"]
+    out["network_bytes"] = refit.plan.stats["network_bytes"]
+    out["mapped_bytes"] = refit.colocated.mapped_bytes
+    out["dst"] = hfw.hf_digests(model)
+    with torch.no_grad():
+        out["logits"] = model(tokens).logits.float().tolist()
+    refit.close()
+    return out

@@ -250,3 +250,19 @@ def test_megatron_to_megatron_colocated(engine_devices, engine_sizes):
         assert "refit" not in res[i]["groups"]
         assert res[i]["groups"]["side"] == [0, 1] and 2 + j not in res[i]["groups"]["side"]
     print(json.dumps({"network_bytes": engines[0]["network_bytes"], "mapped": [e["mapped_bytes"] for e in engines]}))
+
+
+def test_megatron_to_transformers_colocated():
+    """``MegatronRefit(target=..., colocated=...)``: a transformers model in the process beside trainer rank 0."""
+    pytest.importorskip("transformers")
+    import torch
+    out = launch(cw.hf_scenario, 3, 60.0, world=False, timeout=400, start_method="forkserver", preload=_preload(),
+                 threads=1, leave_at_once=True)
+    res = _ok(out)
+    hf, trainer = res[2], res[0]
+    assert {o["version"] for o in res.values()} == {1}
+    assert hf["dst"] == {k: v for k, v in trainer["ref"].items() if k in hf["dst"]}
+    assert set(trainer["ref"]) <= set(hf["dst"]), sorted(set(trainer["ref"]) - set(hf["dst"]))[:5]
+    assert hf["mapped_bytes"] > 0 and hf["network_bytes"] > 0
+    a, b = torch.tensor(hf["logits"]), torch.tensor(trainer["logits"])
+    assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) + 1e-5
