@@ -2,7 +2,8 @@
 group vs what RL frameworks do on one device vs a memcpy floor, in one run (CPU, gloo; shared memory
 stands in for CUDA IPC).
 
-    python benchmarks/colocated_bench.py [--size 139M] [--case tp2] [--reps 5] [--bucket-mib 64] [--out FILE]
+    python benchmarks/colocated_bench.py [--size 139M] [--case tp2] [--reps 11] [--bucket-mib 64] [--out FILE]
+    python benchmarks/colocated_bench.py --table FILE...      (the BENCHMARKS.md table of saved results)
 
 Processes: trainer ranks ``0..T-1`` and engine workers ``0..E-1`` (``T == E``), worker ``j`` on the
 device of trainer rank ``j`` (device keys ``cpu:j``), launched with no process group
@@ -476,7 +477,7 @@ def process(rank: int, nproc: int, T: int, size: str, case: str, reps: int, buck
 
 # ----------------------------------------------------------------------------------- the run and its report
 
-def run(size: str = "139M", case: str = "tp2", reps: int = 5, bucket_mib: float = 64.0,
+def run(size: str = "139M", case: str = "tp2", reps: int = 11, bucket_mib: float = 64.0,
         variants=VARIANTS, timeout: float = 1800.0) -> dict:
     from mcore_reshard.tools.launch import launch
     src, dst = layouts(size, case)
@@ -506,6 +507,7 @@ def summarize(procs: list, meta: dict, variants: list) -> dict:
         slowest = [max(p["calls"][name][k]["s"] for p in procs) for k in range(reps)]
         last = [p["calls"][name][-1] if reps else p["warmup"][name] for p in procs]
         row = {"median_s": statistics.median(slowest) if slowest else None, "times_s": slowest,
+               "min_s": min(slowest, default=None),
                "ok": all(c["ok"] for p in engines for c in p["calls"][name] + [p["warmup"][name]]),
                "bytes_group": sum(c.get("bytes_group", 0) for c in last),
                "bytes_handed": sum(c.get("bytes_handed", 0) for c in last),
@@ -523,30 +525,40 @@ def summarize(procs: list, meta: dict, variants: list) -> dict:
         out["variants"][name] = row
     base = out["variants"].get("floor", {}).get("median_s")
     col = out["variants"].get("colocated", {}).get("median_s")
+    lo = out["variants"].get("floor", {}).get("min_s")
     for row in out["variants"].values():
         row["over_floor"] = row["median_s"] / base if base and row["median_s"] else None
         row["over_colocated"] = row["median_s"] / col if col and row["median_s"] else None
+        row["min_over_floor"] = row["min_s"] / lo if lo and row["min_s"] else None
     return out
 
 
-def table(res: dict) -> str:
+def table(results: list) -> str:
+    """The BENCHMARKS.md table of saved results (one row per case and variant)."""
     mb = 1e6
-    rows = ["| variant | time / floor | time / colocated | bytes over a group | bytes handed over / mapped | "
-            "held per device MB | peak per process MB (trainer, engine) | bit-exact |", "|---" * 8 + "|"]
-    for name, r in res["variants"].items():
-        hand = (f"{r['bytes_mapped'] / mb:,.1f} mapped ({r['bytes_local'] / mb:,.1f} read)" if r["bytes_mapped"]
-                else f"{r['bytes_handed'] / mb:,.1f}")
-        rows.append(f"| {name} | {r['over_floor']:.2f} | {r['over_colocated']:.2f} | {r['bytes_group'] / mb:,.1f} MB | "
-                    f"{hand} MB | {r['device_held_bytes'] / mb:,.1f} | {r['trainer_peak_bytes'] / mb:,.1f}, "
-                    f"{r['engine_peak_bytes'] / mb:,.1f} | {r['ok']} |")
+    rows = ["| case | variant | time / floor (fastest / fastest) | time / colocated | bytes over a group MB | bytes handed over / mapped "
+            "MB | held per device MB | peak per process MB (trainer, engine) | bit-exact |", "|---" * 9 + "|"]
+    for res in results:
+        case = f"{res['size']} {res['layouts'][0]} -> {res['layouts'][1]}"
+        for name in sorted(res["variants"], key=lambda n: VARIANTS.index(n)):
+            r = res["variants"][name]
+            hand = (f"{r['bytes_mapped'] / mb:,.1f} mapped ({r['bytes_local'] / mb:,.1f} read)" if r["bytes_mapped"]
+                    else f"{r['bytes_handed'] / mb:,.1f}")
+            held = "—" if name == "floor" else f"{r['device_held_bytes'] / mb:,.1f}"   # the floor's source: a stand-in
+            rows.append(f"| {case} | {name} | {r['over_floor']:.2f} ({r['min_over_floor']:.2f}) | {r['over_colocated']:.2f} | "
+                        f"{r['bytes_group'] / mb:,.1f} | {hand} | {held} | {r['trainer_peak_bytes'] / mb:,.1f}, "
+                        f"{r['engine_peak_bytes'] / mb:,.1f} | {r['ok']} |")
     return "\n".join(rows)
 
 
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--table"]:
+        print(table([json.loads(Path(p).read_text()) for p in sys.argv[2:]]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="139M", choices=sorted(SIZES))
     ap.add_argument("--case", default="tp2", choices=sorted(CASES))
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--bucket-mib", type=float, default=64.0, help="(b)'s shared-memory bucket")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
@@ -556,7 +568,7 @@ def main(argv=None) -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "processes"}, indent=1, sort_keys=True))
-    print(table(res))
+    print(table([res]))
     return 0
 
 
