@@ -5,8 +5,9 @@ stands in for CUDA IPC).
     python benchmarks/colocated_bench.py [--size 139M] [--case tp2] [--reps 11] [--bucket-mib 64] [--out FILE]
     python benchmarks/colocated_bench.py --table FILE...      (the BENCHMARKS.md table of saved results)
 
-Processes: trainer ranks ``0..T-1`` and engine workers ``0..E-1`` (``T == E``), worker ``j`` on the
-device of trainer rank ``j`` (device keys ``cpu:j``), launched with no process group
+Processes: trainer ranks ``0..T-1`` and engine workers ``0..E-1`` (``T >= E``), worker ``j`` on the
+device of trainer rank ``j`` (device keys ``cpu:j``; trainer ranks ``E..T-1`` have no worker on their
+device: group members of every variant that has a group), launched with no process group
 (``launch(..., world=False)``).  Every process holds its layout part as plain tensors (trainer:
 Megatron-Core's layout of the case, engine: vLLM's), values a function of (tensor, element,
 version).  Variants, each built once, warmed up once, then timed interleaved (rotating order),
@@ -58,7 +59,8 @@ SIZES = {   # DeepSeek-V3 widths scaled down: MLA, first layer dense, routed + s
                  q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
 }
 CASES = {"tp2": ("tp=2", "vllm:tp=2"),             # trainer layout -> engine layout (layout strings)
-         "ep2": ("tp=1,ep=2", "vllm:tp=2")}        # experts by expert on the trainer, by row on the engine
+         "ep2": ("tp=1,ep=2", "vllm:tp=2"),        # experts by expert on the trainer, by row on the engine
+         "tp2ep2": ("tp=2,ep=2", "vllm:tp=2")}     # 4 trainer ranks, 2 of them with a worker on their device
 TIMEOUT = 300.0
 
 
@@ -149,6 +151,7 @@ class Ctx:
         self.base = base_values(self.src if self.trainer else self.dst, self.i)
         self.tensors = {n: b.clone() for n, (b, _) in self.base.items()}
         self.device = f"cpu:{self.i}"
+        self.paired = not self.trainer or self.i < E       # trainer ranks E..T-1: no worker on their device
 
     def sock(self, what: str) -> str:
         return f"{self.dir}/{what}-{self.i}.sock"
@@ -227,30 +230,35 @@ class Colocated(Variant):
         from mcore_reshard.integrations.protocol import rank_part
         self.ctx, self.sent, self.peer = ctx, 0, None
         dmap = DeviceMap([f"cpu:{i}" for i in range(ctx.T)], [f"cpu:{j}" for j in range(ctx.E)])
-        if ctx.trainer:
+        self.t = None
+        if ctx.trainer and ctx.paired:              # proxied by its worker: talks to it only
             self.t = ColocatedTrainer(rank_part(ctx.src, ctx.i), ctx.tensors, channel=ctx.sock("col"),
                                       device=ctx.device, rank=ctx.i, timeout=TIMEOUT)
             return
-        grank = dmap.engine_group_rank(ctx.i)
+        grank = dmap.trainer_group_rank(ctx.i) if ctx.trainer else dmap.engine_group_rank(ctx.i)
         group = join("colocated", dmap.group_size, grank)
-        self.peer = accept_trainer(ctx.sock("col"), device=ctx.device, rank=grank, timeout=TIMEOUT)
-        relabeled = Layout(dict(ctx.src.tensors), {dmap.engine_group_rank(dmap.proxies[r]): dict(b)
-                                                   for r, b in ctx.src.buffers.items()})
+        if not ctx.trainer:
+            self.peer = accept_trainer(ctx.sock("col"), device=ctx.device, rank=grank, timeout=TIMEOUT)
+        on = {r: dmap.engine_group_rank(dmap.proxies[r]) if r in dmap.proxies else dmap.trainer_group_rank(r)
+              for r in ctx.src.buffers}             # the trainer's layout on group ranks
+        relabeled = Layout(dict(ctx.src.tensors), {on[r]: dict(b) for r, b in ctx.src.buffers.items()})
         self.plan = make_plan(relabeled, ctx.dst.offset_ranks(dmap.rank_offset))
-        self.r = Resharder(self.plan, self.peer.tensors, ctx.tensors, group, timeout=TIMEOUT)
-        self.r.watch("src", self.peer.check)
+        src, dst = (ctx.tensors, {}) if ctx.trainer else (self.peer.tensors, ctx.tensors)
+        self.r = Resharder(self.plan, src, dst, group, timeout=TIMEOUT)
+        if self.peer is not None:
+            self.r.watch("src", self.peer.check)
         self.local = sum(c.nbytes for c in self.plan.local_copies if c.dst == grank)
 
     def call(self, v: int) -> None:
-        if self.ctx.trainer:
+        if self.t is not None:
             self.t.refit(v)
             return
-        res = self.peer.run(lambda: self.r.refit(v))
+        res = self.peer.run(lambda: self.r.refit(v)) if self.peer is not None else self.r.refit(v)
         self.sent = res["staged_bytes_sent"] + res["unstaged_bytes_sent"]
 
     def counts(self) -> dict:
         if self.peer is None:
-            return {"bytes_group": 0}
+            return {"bytes_group": 0 if self.t is not None else self.sent}
         return {"bytes_group": self.sent, "bytes_mapped": self.peer.mapped_bytes, "bytes_local": self.local}
 
 
@@ -271,6 +279,31 @@ def _pair(ctx: Ctx, what: str, tensors: dict | None):
         lis.close()
     msg, fds = ch.recv(TIMEOUT)
     return ch, MappedStorages(msg["export"], fds).tensors
+
+
+def _routes(src, name: str, E: int) -> tuple[dict, list]:
+    """How (b) gathers tensor ``name`` for trainer ranks ``0..E-1`` (those with a worker): (rank ->
+    its [(buffer, piece)], [(holder, receiver, [(buffer, piece)])]), the same on every rank; each box a
+    receiver lacks comes from one holder, the least loaded (DP replicas share the sending)."""
+    own: dict = {}
+    holders: dict = {}
+    for r, bufs in sorted(src.buffers.items()):
+        for b in bufs.values():
+            for p in b.pieces:
+                if p.tensor == name:
+                    own.setdefault(r, []).append((b.name, p))
+                    holders.setdefault(p.box, []).append((r, b.name, p))
+    load: dict = {}
+    pairs: dict = {}
+    for d in range(E):
+        mine = {p.box for _, p in own.get(d, [])}
+        for box, hs in holders.items():
+            if box in mine:
+                continue
+            r, b, p = min(hs, key=lambda h: (load.get(h[0], 0), h[0]))
+            load[r] = load.get(r, 0) + box.numel
+            pairs.setdefault((r, d), []).append((b, p))
+    return own, [(r, d, ps) for (r, d), ps in sorted(pairs.items())]
 
 
 class Gather(Variant):
@@ -294,15 +327,8 @@ class Gather(Variant):
         if ctx.trainer:
             self.group = join("trainers_b", ctx.T, ctx.i)
             self.bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-            self.ch, _ = _pair(ctx, "gather", {"bucket": self.bucket})
-            self.mine = {n: [] for n in names}
-            self.all = {n: {} for n in names}
-            for r, bufs in src.buffers.items():
-                for b in bufs.values():
-                    for p in b.pieces:
-                        self.all[p.tensor].setdefault(r, []).append(p)
-                        if r == ctx.i:
-                            self.mine[p.tensor].append((b.name, p))
+            self.ch = _pair(ctx, "gather", {"bucket": self.bucket})[0] if ctx.paired else None
+            self.routes = {n: _routes(src, n, ctx.E) for n in names}
         else:
             self.ch, mapped = _pair(ctx, "gather", None)
             self.bucket = mapped["bucket"]
@@ -317,32 +343,36 @@ class Gather(Variant):
         n = math.prod(meta.shape) * dt.itemsize
         return self.bucket[off:off + n].view(dt).view(meta.shape)
 
-    def _gather_into(self, name: str, full: torch.Tensor) -> None:
+    def _gather_into(self, name: str, full: torch.Tensor | None) -> None:
+        """Every paired trainer rank gets the whole tensor into ``full``: its own pieces copied, every
+        other box received from one holder (the all-gather of its TP / EP group, each box once)."""
         import torch.distributed as dist
-        mine = self.mine[name]
-        if sum(p.box.numel for _, p in mine) == full.numel():      # held whole (replicated): no gather
-            for buf, p in mine:
-                full[p.box.slices()].copy_(self.ctx.tensors[buf][p.local.slices()].reshape(p.box.sizes))
-            return
-        counts = {r: sum(p.box.numel for p in ps) for r, ps in self.all[name].items()}
-        width = max(counts.values())
-        packed = torch.empty(width, dtype=full.dtype)
-        off = 0
-        for buf, p in mine:
-            packed[off:off + p.box.numel].copy_(self.ctx.tensors[buf][p.local.slices()].reshape(-1))
-            off += p.box.numel
-        packed[off:].zero_()
-        out = [packed if r == self.ctx.i else torch.empty(width, dtype=full.dtype) for r in range(self.ctx.T)]
-        ops = [op for r in range(self.ctx.T) if r != self.ctx.i       # the all-gather as sends: gloo's
-               for op in (dist.P2POp(dist.isend, packed, group=self.group, group_peer=r),      # all_gather is 4-10x slower
-                          dist.P2POp(dist.irecv, out[r], group=self.group, group_peer=r))]     # than its sends here
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        self.sent += width * full.element_size() * (self.ctx.T - 1)
-        for r, ps in self.all[name].items():
+        me, (own, moves) = self.ctx.i, self.routes[name]
+        tensors = self.ctx.tensors
+        if full is not None:
+            for buf, p in own.get(me, []):
+                full[p.box.slices()].copy_(tensors[buf][p.local.slices()].reshape(p.box.sizes))
+        ops, recvs = [], []
+        for src, dst, pieces in moves:
+            if me not in (src, dst):
+                continue
+            n = sum(p.box.numel for _, p in pieces)
+            dt = _dtype(self.ctx.src.tensors[name].dtype)
+            if src == me:
+                packed = torch.cat([tensors[b][p.local.slices()].reshape(-1) for b, p in pieces])
+                ops.append(dist.P2POp(dist.isend, packed, group=self.group, group_peer=dst))
+                self.sent += n * dt.itemsize
+            else:
+                buf = torch.empty(n, dtype=dt)
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=src))
+                recvs.append((buf, pieces))
+        if ops:                         # as sends: gloo's all_gather is 4-10x slower than its sends here
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        for buf, pieces in recvs:
             off = 0
-            for p in ps:
-                full[p.box.slices()].copy_(out[r][off:off + p.box.numel].view(p.box.sizes))
+            for _, p in pieces:
+                full[p.box.slices()].copy_(buf[off:off + p.box.numel].view(p.box.sizes))
                 off += p.box.numel
 
     def call(self, v: int) -> None:
@@ -352,8 +382,10 @@ class Gather(Variant):
             if self.ctx.trainer:
                 t0 = time.perf_counter()
                 for name, off in bucket:
-                    self._gather_into(name, self._full(name, off))
+                    self._gather_into(name, self._full(name, off) if self.ctx.paired else None)
                 self.work += time.perf_counter() - t0
+                if self.ch is None:             # no worker on this device: it gathers for the others
+                    continue
                 self.ch.send({"bucket": k})
                 msg, _ = self.ch.recv(TIMEOUT)
                 assert msg == {"done": k}, msg
@@ -386,7 +418,7 @@ class Assemble(Variant):
             group = join("trainers_bp", ctx.T, ctx.i)
             self.shard = {n: torch.zeros(b.shape, dtype=_dtype(b.dtype))
                           for n, b in ctx.dst.buffers.get(ctx.i, {}).items()}
-            self.ch, _ = _pair(ctx, "assemble", self.shard)
+            self.ch = _pair(ctx, "assemble", self.shard)[0] if ctx.paired else None
             self.r = Resharder(make_plan(ctx.src, ctx.dst), ctx.tensors, self.shard, group, timeout=TIMEOUT)
         else:
             self.ch, self.shard = _pair(ctx, "assemble", None)
@@ -395,6 +427,8 @@ class Assemble(Variant):
         if self.ctx.trainer:
             res = self.r.refit(v)
             self.sent = res["staged_bytes_sent"] + res["unstaged_bytes_sent"]
+            if self.ch is None:
+                return
             self.ch.send({"ready": v})
             msg, _ = self.ch.recv(TIMEOUT)
             assert msg == {"done": v}, msg
@@ -482,8 +516,9 @@ def run(size: str = "139M", case: str = "tp2", reps: int = 11, bucket_mib: float
     from mcore_reshard.tools.launch import launch
     src, dst = layouts(size, case)
     T, E = len(src.ranks), len(dst.ranks)
-    if T != E:
-        raise ValueError(f"case {case}: {T} trainer ranks, {E} engine workers: this benchmark pairs them one to one")
+    if T < E:
+        raise ValueError(f"case {case}: {T} trainer ranks, {E} engine workers: every worker is colocated with a "
+                         f"trainer rank (trainer ranks 0..{E - 1})")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")   # freed memory leaves the resident set at once
     res = launch(process, T + E, T, size, case, reps, int(bucket_mib * (1 << 20)), list(variants),
                  timeout=timeout, threads=1, world=False)
