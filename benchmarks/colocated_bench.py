@@ -14,15 +14,17 @@ version).  Variants, each built once, warmed up once, then timed interleaved (ro
 ``reps`` refits each, the trainer writing a new version before every round:
 
 ``colocated``  :class:`~mcore_reshard.colocate.ColocatedTrainer` on the trainer, ``accept_trainer``
-               + ``Resharder`` (watched by the peer) on the worker; the group: the workers only
-               (:class:`~mcore_reshard.core.devices.DeviceMap`), bytes over it only for what
-               crosses devices, the rest copied out of the mapped trainer storages.
+               + ``Resharder`` (watched by the peer) on the worker; the group: the workers and the
+               unpaired trainer ranks (:class:`~mcore_reshard.core.devices.DeviceMap`), bytes over
+               it only for what crosses devices, the rest copied out of the mapped trainer storages.
 ``disagg``     (a) the same layouts, every process in one gloo group, no mapping: every byte an
                engine needs crosses the group.
-``gather``     (b) verl / NeMo RL / vLLM ``ipc``: the trainers all-gather every sharded tensor over
-               their own group (full tensors), pack them into a shared-memory bucket of
+``gather``     (b) verl / NeMo RL / vLLM ``ipc``: every paired trainer rank gathers each sharded
+               tensor whole over the trainers' group (each box it lacks once, as point-to-point
+               sends: the all-gather of its TP / EP group), packs them into a shared-memory bucket of
                ``bucket-mib`` (exported once), hand it to the colocated worker (one message per
-               bucket, wait for "done"), which copies its shard out of each full tensor (load_weights).
+               bucket, wait for "done"), which copies its shard out of each full tensor (load_weights);
+               ``work_s``: the trainer's gathering / the worker's loading within a refit.
 ``assemble``   (b') the trainers reshard among themselves into a shared-memory copy of their
                colocated worker's shard (the library's ``Resharder``, engine layout on trainer ranks),
                hand it over; the worker copies it whole into its weights.
@@ -30,8 +32,9 @@ version).  Variants, each built once, warmed up once, then timed interleaved (ro
 
 Reported per variant: time (median over reps of the slowest process, as a ratio to the floor and to
 ``colocated``), memory per process from ``/proc/self/status`` (outside the library): *held* --
-RssAnon + RssShmem after the variant was built and warmed up minus before (a worker's mapped
-trainer pages are the trainer's memory: counted for the trainer only, ``shared_seen``) -- and *peak*
+RssAnon and RssShmem after the variant was built and warmed up minus before (per device: the
+trainer's both plus its worker's RssAnon, since a worker's shared pages are its trainer's memory,
+``device_held_bytes``) -- and *peak*
 -- VmHWM growth within a timed refit (max over reps); bytes over a group (sent, summed over
 processes), bytes handed over / mapped.  Every refit's destination is checked against values
 computed independently of the library (``ok``).
