@@ -50,6 +50,14 @@ def _inside(box: Box, shape: Sequence[int]) -> bool:
     return True
 
 
+def _overlap(a: Box, b: Box) -> bool:
+    """Whether two boxes of the same rank share an element (:meth:`Box.intersect` without the box)."""
+    for x, sx, y, sy in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        if (x + sx if x + sx < y + sy else y + sy) <= (x if x > y else y):
+            return False
+    return True
+
+
 def check_shape(shape, what: str) -> tuple[int, ...]:
     """``shape`` as a tuple of ints; LayoutError for a negative, fractional or non-numeric size
     (``2.5`` is refused, not truncated to 2)."""
@@ -251,6 +259,39 @@ class Layout:
             checked[id(buffer)] = (buffer, self.tensors)
         rank_bufs[buffer.name] = buffer
 
+    def add_buffers(self, rank: int, buffers: tuple[Buffer, ...]) -> None:
+        """The ``buffers`` on ``rank``, in order: :meth:`add_buffer` for each, but the same tuple
+        object on several ranks (a part of a layer that ranks share) is checked once and then
+        added in one dict update.
+
+            rank | add_buffers(rank, norms)        norms = (input_layernorm, post_attention_layernorm)
+            0    | checks both, adds both
+            1    | adds both (the same tuple: no check)
+        """
+        rank_bufs = self.buffers.setdefault(int(rank), {})
+        checked = self.__dict__.get("_checked")
+        if checked is None:
+            checked = self.__dict__["_checked"] = {}
+        got = checked.get(id(buffers))
+        if got is None or got[0] is not buffers or got[1] is not self.tensors:
+            if type(buffers) is not tuple:
+                raise LayoutError(f"rank {rank}: add_buffers takes a tuple of Buffers, not {type(buffers).__name__}")
+            named: dict[str, Buffer] = {}
+            for b in buffers:
+                if b.name in named:
+                    raise LayoutError(f"rank {rank} has two buffers named {b.name}")
+                seen = checked.get(id(b))
+                if seen is None or seen[0] is not b or seen[1] is not self.tensors:
+                    self._check_buffer(rank, b)
+                    checked[id(b)] = (b, self.tensors)
+                named[b.name] = b
+            got = checked[id(buffers)] = (buffers, self.tensors, named)
+        named = got[2]
+        if not rank_bufs.keys().isdisjoint(named):
+            dup = next(n for n in named if n in rank_bufs)
+            raise LayoutError(f"rank {rank} has two buffers named {dup}")
+        rank_bufs.update(named)
+
     def add_sharded(self, name: str, shape: Sequence[int], dtype: str, mesh: Mesh,
                     placements: Sequence[tuple[str, int]] = (), buffer: str | None = None,
                     mode: str = "exact") -> None:
@@ -261,10 +302,11 @@ class Layout:
             self.add_buffer(r, Buffer(buffer or name, box.sizes, dtype, (Piece(name, box, Box.full(box.sizes)),)))
 
     def _check_buffer(self, rank: int, buf: Buffer) -> None:
-        if not isinstance(buf.shape, tuple) or not all(type(n) is int and n >= 0 for n in buf.shape):
+        if not isinstance(buf.shape, tuple) or (buf.shape and (set(map(type, buf.shape)) != _INT or min(buf.shape) < 0)):
             raise LayoutError(f"rank {rank} buffer {buf.name}: shape {buf.shape!r} must be a tuple of integers >= 0")
+        tensors = self.tensors
         for p in buf.pieces:
-            meta = self.tensors.get(p.tensor)
+            meta = tensors.get(p.tensor)
             if meta is None:
                 raise LayoutError(f"rank {rank} buffer {buf.name}: piece of undeclared tensor {p.tensor}")
             if meta.dtype != buf.dtype:
@@ -275,12 +317,13 @@ class Layout:
                 raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
         if len(buf.pieces) < 2:
             return
-        ps = sorted(buf.pieces, key=lambda p: p.local)
+        ps = sorted(buf.pieces, key=lambda p: p.local.offsets)
         for i, a in enumerate(ps):
+            end = a.local.offsets[0] + a.local.sizes[0] if a.local.ndim else None
             for b in ps[i + 1:]:
-                if a.local.ndim and b.local.offsets[0] >= a.local.ends[0]:
+                if end is not None and b.local.offsets[0] >= end:
                     break  # sorted by offset: no later piece can reach back into a
-                if a.local.intersect(b.local) is not None:
+                if _overlap(a.local, b.local):
                     raise LayoutError(f"rank {rank} buffer {buf.name}: pieces {a.tensor}{a.box} and {b.tensor}{b.box} "
                                       f"overlap at local {a.local.intersect(b.local)}")
 
