@@ -17,6 +17,7 @@ Example, Megatron's ``linear_fc1`` (``[gate; up]`` per TP rank) with ``F = 4`` a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 from typing import Iterable, Mapping, Sequence
 
@@ -82,6 +83,13 @@ def _squeezed(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(s for s in sizes if s != 1)
 
 
+@lru_cache(maxsize=1 << 12)
+def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether boxes of sizes ``a`` and ``b`` hold the same elements once size-1 dims are dropped
+    (asked once per pair of sizes: every expert of every layer asks the same)."""
+    return prod(a) == prod(b) and _squeezed(a) == _squeezed(b)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
@@ -103,7 +111,7 @@ class Piece:
     def __post_init__(self):
         if self.box.sizes == self.local.sizes:
             return
-        if self.box.numel != self.local.numel or _squeezed(self.box.sizes) != _squeezed(self.local.sizes):
+        if not _same_shape(self.box.sizes, self.local.sizes):
             raise LayoutError(f"piece of {self.tensor}: global box {self.box} and local box {self.local} differ in shape")
 
     def local_of(self, sub: Box) -> Box:
@@ -268,29 +276,39 @@ class Layout:
             0    | checks both, adds both
             1    | adds both (the same tuple: no check)
         """
+        self.add_parts(rank, (buffers,))
+
+    def add_parts(self, rank: int, parts: Iterable[tuple[Buffer, ...]]) -> None:
+        """:meth:`add_buffers` of each tuple in ``parts``, in order (one call for a rank's parts)."""
         rank_bufs = self.buffers.setdefault(int(rank), {})
         checked = self.__dict__.get("_checked")
         if checked is None:
             checked = self.__dict__["_checked"] = {}
-        got = checked.get(id(buffers))
-        if got is None or got[0] is not buffers or got[1] is not self.tensors:
-            if type(buffers) is not tuple:
-                raise LayoutError(f"rank {rank}: add_buffers takes a tuple of Buffers, not {type(buffers).__name__}")
-            named: dict[str, Buffer] = {}
-            for b in buffers:
-                if b.name in named:
-                    raise LayoutError(f"rank {rank} has two buffers named {b.name}")
-                seen = checked.get(id(b))
-                if seen is None or seen[0] is not b or seen[1] is not self.tensors:
-                    self._check_buffer(rank, b)
-                    checked[id(b)] = (b, self.tensors)
-                named[b.name] = b
-            got = checked[id(buffers)] = (buffers, self.tensors, named)
-        named = got[2]
-        if not rank_bufs.keys().isdisjoint(named):
-            dup = next(n for n in named if n in rank_bufs)
-            raise LayoutError(f"rank {rank} has two buffers named {dup}")
-        rank_bufs.update(named)
+        tensors = self.tensors
+        for buffers in parts:
+            got = checked.get(id(buffers))
+            if got is None or got[0] is not buffers or got[1] is not tensors:
+                got = checked[id(buffers)] = (buffers, tensors, self._named(rank, buffers, checked))
+            named = got[2]
+            if not rank_bufs.keys().isdisjoint(named):
+                dup = next(n for n in named if n in rank_bufs)
+                raise LayoutError(f"rank {rank} has two buffers named {dup}")
+            rank_bufs.update(named)
+
+    def _named(self, rank: int, buffers: tuple[Buffer, ...], checked: dict) -> dict[str, Buffer]:
+        """``buffers`` by name, each checked (once per object, as in :meth:`add_buffer`)."""
+        if type(buffers) is not tuple:
+            raise LayoutError(f"rank {rank}: add_buffers takes a tuple of Buffers, not {type(buffers).__name__}")
+        named: dict[str, Buffer] = {}
+        for b in buffers:
+            if b.name in named:
+                raise LayoutError(f"rank {rank} has two buffers named {b.name}")
+            seen = checked.get(id(b))
+            if seen is None or seen[0] is not b or seen[1] is not self.tensors:
+                self._check_buffer(rank, b)
+                checked[id(b)] = (b, self.tensors)
+            named[b.name] = b
+        return named
 
     def add_sharded(self, name: str, shape: Sequence[int], dtype: str, mesh: Mesh,
                     placements: Sequence[tuple[str, int]] = (), buffer: str | None = None,
@@ -304,13 +322,26 @@ class Layout:
     def _check_buffer(self, rank: int, buf: Buffer) -> None:
         if not isinstance(buf.shape, tuple) or (buf.shape and (set(map(type, buf.shape)) != _INT or min(buf.shape) < 0)):
             raise LayoutError(f"rank {rank} buffer {buf.name}: shape {buf.shape!r} must be a tuple of integers >= 0")
-        tensors = self.tensors
+        tensors, shapes = self.tensors, []
         for p in buf.pieces:
             meta = tensors.get(p.tensor)
             if meta is None:
                 raise LayoutError(f"rank {rank} buffer {buf.name}: piece of undeclared tensor {p.tensor}")
             if meta.dtype != buf.dtype:
                 raise LayoutError(f"rank {rank} buffer {buf.name} is {buf.dtype} but holds {p.tensor} of dtype {meta.dtype}")
+            shapes.append((meta.shape, p.box, p.local))
+        # the rest depends on sizes and boxes only: every layer's copy of a buffer asks the same
+        sound = self.__dict__.setdefault("_sound", set())
+        key = (buf.shape, tuple(shapes))
+        if key in sound:
+            return
+        self._check_geometry(rank, buf)
+        sound.add(key)
+
+    def _check_geometry(self, rank: int, buf: Buffer) -> None:
+        tensors = self.tensors
+        for p in buf.pieces:
+            meta = tensors[p.tensor]
             if not _inside(p.box, meta.shape):
                 raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
             if not _inside(p.local, buf.shape):

@@ -260,17 +260,17 @@ class LayoutBuilder(_RankBuffers):
         ``model.layers.3.`` or ``model.layers.61.mtp_block.``): :meth:`layer_parts`, flattened."""
         return [b for part in self.layer_parts(layer, rt, shards) for b in part]
 
-    def layer_parts(self, layer: int, rt: str, shards: RankShards) -> list[tuple[Buffer, ...]]:
+    def layer_parts(self, layer: int, rt: str, shards: RankShards, experts: bool = True) -> list:
         """The buffers of :meth:`layer` in parts cached by what they depend on (replicated, attention,
         experts, shared experts or dense MLP), so that ranks share buffer objects wherever their
-        boxes agree, and the part tuples themselves (:meth:`Layout.add_buffers`: checked once)."""
+        boxes agree, and the part tuples themselves (:meth:`Layout.add_buffers`: checked once).
+        ``experts=False``: None in the routed experts' place."""
         cfg = self.cfg
         out = [self.cached(("rep", layer, rt), lambda: tuple(self._replicated(layer, rt))),
                self.cached(("attn", layer, rt, shards.attn), lambda: tuple(self._attn(layer, rt, *shards.attn)))]
         c = f"model.layers.{layer}."
         if cfg.is_moe_layer(layer):
-            out.append(self.cached(("experts", layer, rt, shards.moe_tp, shards.experts, shards.fuse_shared),
-                                   lambda: tuple(self._experts(layer, rt, shards))))
+            out.append(self.experts_part(layer, rt, shards) if experts else None)
             if cfg.n_shared_experts and not shards.fuse_shared:
                 out.append(self.cached(("shared", layer, rt, shards.shared), lambda: tuple(
                     self._mlp(rt, c, self.shapes(layer), shards.shared, "mlp.shared_experts"))))
@@ -278,6 +278,24 @@ class LayoutBuilder(_RankBuffers):
             out.append(self.cached(("dense", layer, rt, shards.dense),
                                    lambda: tuple(self._mlp(rt, c, self.shapes(layer), shards.dense, "mlp"))))
         return out
+
+    def experts_part(self, layer: int, rt: str, shards: RankShards) -> tuple[Buffer, ...]:
+        """Layer ``layer``'s routed experts (``w13_weight``, ``w2_weight``) on a rank with ``shards``."""
+        return self.cached(("experts", layer, rt, shards.moe_tp, shards.experts, shards.fuse_shared),
+                           lambda: tuple(self._experts(layer, rt, shards)))
+
+    def _skeleton(self, shards: RankShards) -> tuple[list, list[tuple[int, int, str]]]:
+        """A rank's layer parts without its routed experts (None in their place: the same for every
+        rank with these attention / MLP shards) and (place, layer, prefix) of each expert part."""
+        parts: list = []
+        slots = []
+        for layer in range(*shards.layers):
+            rt = f"model.layers.{layer}."
+            for part in self.layer_parts(layer, rt, shards, experts=False):
+                if part is None:
+                    slots.append((len(parts), layer, rt))
+                parts.append(part)
+        return parts, slots
 
     def _replicated(self, layer: int, rt: str) -> list[Buffer]:
         """Norms, router, fused q/kv down-projection: the same on every rank."""
@@ -360,9 +378,12 @@ class LayoutBuilder(_RankBuffers):
         head_tensor = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         if shards.embed is not None:
             self.add(rank, [self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", shards.embed)])
-        for layer in range(*shards.layers):
-            for part in self.layer_parts(layer, f"model.layers.{layer}.", shards):
-                self.layout.add_buffers(rank, part)
+        skeleton, slots = self.cached(("layers", shards.layers, shards.attn, shards.shared, shards.dense,
+                                       shards.fuse_shared), lambda: self._skeleton(shards))
+        parts = list(skeleton)
+        for i, layer, rt in slots:
+            parts[i] = self.experts_part(layer, rt, shards)
+        self.layout.add_parts(rank, parts)
         if shards.final_norm:
             self.add(rank, [self.whole("model.norm.weight", "model.norm.weight")])
         if shards.head is not None:
