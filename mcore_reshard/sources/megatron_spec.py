@@ -109,6 +109,10 @@ class _Builder:
         buf = self.made.get(key)
         if buf is None:
             buf = self.made[key] = make()
+        self.put(rank, buf)
+
+    def put(self, rank, buf: Buffer) -> None:
+        """``buf`` on ``rank``, or into the part :meth:`part` is collecting."""
         if self.pending is not None:
             self.pending.append(buf)
         else:
@@ -292,14 +296,13 @@ def _experts(b: _Builder, r: int, ec: dict, m: str, hp: str) -> None:
     gu, dn = hp + "mlp.experts.gate_up_proj", hp + "mlp.experts.down_proj"
     b.tensor(gu, (E, 2 * I, H), b.dtype)
     b.tensor(dn, (E, H, I), b.dtype)
+    # made straight away: the part (this layer, these expert coordinates) is made once, and no other
+    # part holds these experts' buffers
     for j in range(e_n):
-        e = e_off + j
         x = f"{m}experts.local_experts.{j}."
-        gate, gate_loc, up, up_loc, down, down_loc = _expert_boxes(e, i_off, i_n, I, H)
-        b.add(r, ("fc1", x, gu, e, i_off, i_n, I, H, b.dtype), lambda: Buffer(x + "linear_fc1.weight", (2 * i_n, H), b.dtype, (
-            Piece(gu, gate, gate_loc), Piece(gu, up, up_loc))))
-        b.add(r, ("fc2", x, dn, e, i_off, i_n, H, b.dtype), lambda: Buffer(x + "linear_fc2.weight", (H, i_n), b.dtype, (
-            Piece(dn, down, down_loc),)))
+        gate, gate_loc, up, up_loc, down, down_loc = _expert_boxes(e_off + j, i_off, i_n, I, H)
+        b.put(r, Buffer(x + "linear_fc1.weight", (2 * i_n, H), b.dtype, (Piece(gu, gate, gate_loc), Piece(gu, up, up_loc))))
+        b.put(r, Buffer(x + "linear_fc2.weight", (H, i_n), b.dtype, (Piece(dn, down, down_loc),)))
 
 
 def _shared_experts(b: _Builder, r: int, t: int, m: str, hp: str) -> None:

@@ -140,18 +140,22 @@ def _runs(ids: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
 
 
 @lru_cache(maxsize=4096)
-def _w13_boxes(experts: tuple[int, ...], inter: int, hidden: int, off: int, size: int) -> tuple[tuple[Box, Box, Box, Box], ...]:
-    """(gate box, its local box, up box, its local box) per run of ``experts``: the same for every
-    layer, made once (boxes are immutable)."""
-    return tuple((Box((g, off, 0), (n, size, hidden)), Box((loc, 0, 0), (n, size, hidden)),
-                  Box((g, inter + off, 0), (n, size, hidden)), Box((loc, size, 0), (n, size, hidden)))
-                 for loc, g, n in _runs(experts))
+def _w13_boxes(experts: tuple[int, ...], inter: int, hidden: int, m: int, j: int) -> tuple:
+    """(offset, size) of MoE-TP shard ``j`` of ``m`` of the intermediate dim and (gate box, its local
+    box, up box, its local box) per run of ``experts``: the same for every layer, made once (boxes
+    are immutable).  ``inter`` must divide by ``m``."""
+    off, size = split_range(inter, m, j, "exact")
+    return off, size, tuple((Box((g, off, 0), (n, size, hidden)), Box((loc, 0, 0), (n, size, hidden)),
+                             Box((g, inter + off, 0), (n, size, hidden)), Box((loc, size, 0), (n, size, hidden)))
+                            for loc, g, n in _runs(experts))
 
 
 @lru_cache(maxsize=4096)
-def _w2_boxes(experts: tuple[int, ...], hidden: int, off: int, size: int) -> tuple[tuple[Box, Box], ...]:
-    """(down box, its local box) per run of ``experts`` (see :func:`_w13_boxes`)."""
-    return tuple((Box((g, 0, off), (n, hidden, size)), Box((loc, 0, 0), (n, hidden, size))) for loc, g, n in _runs(experts))
+def _w2_boxes(experts: tuple[int, ...], inter: int, hidden: int, m: int, j: int) -> tuple:
+    """(offset, size) and (down box, its local box) per run of ``experts`` (see :func:`_w13_boxes`)."""
+    off, size = split_range(inter, m, j, "exact")
+    return off, size, tuple((Box((g, 0, off), (n, hidden, size)), Box((loc, 0, 0), (n, hidden, size)))
+                            for loc, g, n in _runs(experts))
 
 
 def experts_w13(name: str, gate_up: str, experts: Sequence[int], inter: int, hidden: int, dtype: str, m: int, j: int,
@@ -159,9 +163,11 @@ def experts_w13(name: str, gate_up: str, experts: Sequence[int], inter: int, hid
     """``FusedMoE`` ``w13_weight`` ``[E_loc (+1), 2*I/m, H]``: per local expert ``[gate_j; up_j]``
     (``weight_loader`` narrows w1/w3 on dim 0 by the MoE-TP rank ``j``).  ``shared`` =
     (gate_proj, up_proj) of a shared expert fused as the last slot (SGLang)."""
-    off, size = _split(inter, m, j, f"{name} intermediate")
+    if inter % m:
+        _split(inter, m, j, f"{name} intermediate")          # raises, naming the buffer
+    off, size, runs = _w13_boxes(tuple(experts), inter, hidden, m, j)
     pieces = []
-    for gate, gate_loc, up, up_loc in _w13_boxes(tuple(experts), inter, hidden, off, size):
+    for gate, gate_loc, up, up_loc in runs:
         pieces.append(Piece(gate_up, gate, gate_loc))
         pieces.append(Piece(gate_up, up, up_loc))
     slots = len(experts)
@@ -175,8 +181,10 @@ def experts_w13(name: str, gate_up: str, experts: Sequence[int], inter: int, hid
 def experts_w2(name: str, down: str, experts: Sequence[int], inter: int, hidden: int, dtype: str, m: int, j: int,
                shared: str | None = None) -> Buffer:
     """``FusedMoE`` ``w2_weight`` ``[E_loc (+1), H, I/m]`` (w2 narrowed on dim 1)."""
-    off, size = _split(inter, m, j, f"{name} intermediate")
-    pieces = [Piece(down, box, loc) for box, loc in _w2_boxes(tuple(experts), hidden, off, size)]
+    if inter % m:
+        _split(inter, m, j, f"{name} intermediate")          # raises, naming the buffer
+    off, size, runs = _w2_boxes(tuple(experts), inter, hidden, m, j)
+    pieces = [Piece(down, box, loc) for box, loc in runs]
     slots = len(experts)
     if shared is not None:
         pieces.append(Piece(shared, Box((0, off), (hidden, size)), Box((slots, 0, 0), (1, hidden, size))))
@@ -243,7 +251,10 @@ class _RankBuffers:
         return out
 
     def finish(self) -> Layout:
-        used = {p.tensor for bufs in self.layout.buffers.values() for b in bufs.values() for p in b.pieces}
+        distinct: dict[int, Buffer] = {}        # id -> buffer, each shared buffer once (no loop per rank in Python)
+        for bufs in self.layout.buffers.values():
+            distinct.update(zip(map(id, bufs.values()), bufs.values()))
+        used = {p.tensor for b in distinct.values() for p in b.pieces}
         for name in [n for n in self.layout.tensors if n not in used]:
             del self.layout.tensors[name]
         return self.layout
