@@ -233,6 +233,27 @@ def shard_box(shape: Sequence[int], mesh: Mesh, rank: int, placements: Sequence[
     return Box(tuple(offs), tuple(sizes))
 
 
+def _check_geometry(rank: int, buf: Buffer, tensors: Mapping[str, TensorMeta]) -> None:
+    """Every piece of ``buf`` (on ``rank``) inside its tensor and inside the buffer, no two overlapping."""
+    for p in buf.pieces:
+        meta = tensors[p.tensor]
+        if not _inside(p.box, meta.shape):
+            raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
+        if not _inside(p.local, buf.shape):
+            raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
+    if len(buf.pieces) < 2:
+        return
+    ps = sorted(buf.pieces, key=lambda p: p.local.offsets)
+    for i, a in enumerate(ps):
+        end = a.local.offsets[0] + a.local.sizes[0] if a.local.ndim else None
+        for b in ps[i + 1:]:
+            if end is not None and b.local.offsets[0] >= end:
+                break  # sorted by offset: no later piece can reach back into a
+            if _overlap(a.local, b.local):
+                raise LayoutError(f"rank {rank} buffer {buf.name}: pieces {a.tensor}{a.box} and {b.tensor}{b.box} "
+                                  f"overlap at local {a.local.intersect(b.local)}")
+
+
 @dataclass
 class Layout:
     """All logical tensors of one side (source or destination) and every rank's buffers.
@@ -335,28 +356,8 @@ class Layout:
         key = (buf.shape, tuple(shapes))
         if key in sound:
             return
-        self._check_geometry(rank, buf)
+        _check_geometry(rank, buf, self.tensors)
         sound.add(key)
-
-    def _check_geometry(self, rank: int, buf: Buffer) -> None:
-        tensors = self.tensors
-        for p in buf.pieces:
-            meta = tensors[p.tensor]
-            if not _inside(p.box, meta.shape):
-                raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
-            if not _inside(p.local, buf.shape):
-                raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
-        if len(buf.pieces) < 2:
-            return
-        ps = sorted(buf.pieces, key=lambda p: p.local.offsets)
-        for i, a in enumerate(ps):
-            end = a.local.offsets[0] + a.local.sizes[0] if a.local.ndim else None
-            for b in ps[i + 1:]:
-                if end is not None and b.local.offsets[0] >= end:
-                    break  # sorted by offset: no later piece can reach back into a
-                if _overlap(a.local, b.local):
-                    raise LayoutError(f"rank {rank} buffer {buf.name}: pieces {a.tensor}{a.box} and {b.tensor}{b.box} "
-                                      f"overlap at local {a.local.intersect(b.local)}")
 
     @property
     def ranks(self) -> list[int]:

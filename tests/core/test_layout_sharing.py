@@ -127,6 +127,20 @@ def test_add_buffers_checks_a_tuple_once_keeps_order_and_refuses_conflicts(monke
         assert r not in lay.buffers or not lay.buffers[r]
 
 
+def test_a_checked_geometry_is_not_trusted_for_a_tensor_of_another_shape():
+    # two layers' buffers with the same boxes: the second is checked against its own tensor's shape
+    lay = Layout()
+    lay.add_tensor("l0.w", (4, 2), "float32")
+    lay.add_tensor("l1.w", (2, 2), "float32")
+    box, local = Box((2, 0), (2, 2)), Box((0, 0), (2, 2))
+    lay.add_buffers(0, (Buffer("l0", (2, 2), "float32", (Piece("l0.w", box, local),)),))
+    lay.add_buffers(0, (Buffer("l0b", (2, 2), "float32", (Piece("l0.w", box, local),)),))     # same geometry: fine
+    with pytest.raises(LayoutError, match=r"rank 1 buffer l1: box \[2:4, 0:2\] is outside l1.w of shape \(2, 2\)"):
+        lay.add_buffers(1, (Buffer("l1", (2, 2), "float32", (Piece("l1.w", box, local),)),))
+    with pytest.raises(LayoutError, match="local box .* is outside it"):     # same tensor, smaller buffer
+        lay.add_buffers(1, (Buffer("l0c", (1, 2), "float32", (Piece("l0.w", Box((2, 0), (1, 2)), Box((1, 0), (1, 2))),)),))
+
+
 def test_a_copy_with_other_tensors_checks_again():
     # a shallow copy shares the record of checked buffers; given other tensors, it checks again
     import copy
