@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Iterator, Sequence
 
+_INT = {int}
+
 
 @dataclass(frozen=True, order=True)
 class Box:
@@ -27,10 +29,13 @@ class Box:
     def __post_init__(self):
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
-        for x in self.offsets + self.sizes:
-            if type(x) is not int:
-                raise ValueError(f"box {self}: offsets and sizes must be integers, got {x!r} ({type(x).__name__})")
-        if self.sizes and (min(self.sizes) < 0 or min(self.offsets) < 0):
+        nums = self.offsets + self.sizes
+        if not nums:
+            return
+        if set(map(type, nums)) != _INT:        # one pass over all of them (bool, float: refused)
+            x = next(x for x in nums if type(x) is not int)
+            raise ValueError(f"box {self}: offsets and sizes must be integers, got {x!r} ({type(x).__name__})")
+        if min(nums) < 0:
             raise ValueError(f"box with negative offset or size: {self}")
 
     @staticmethod

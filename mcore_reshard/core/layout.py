@@ -17,6 +17,7 @@ Example, Megatron's ``linear_fc1`` (``[gate; up]`` per TP rank) with ``F = 4`` a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 from typing import Iterable, Mapping, Sequence
 
@@ -50,6 +51,14 @@ def _inside(box: Box, shape: Sequence[int]) -> bool:
     return True
 
 
+def _overlap(a: Box, b: Box) -> bool:
+    """Whether two boxes of the same rank share an element (:meth:`Box.intersect` without the box)."""
+    for x, sx, y, sy in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        if (x + sx if x + sx < y + sy else y + sy) <= (x if x > y else y):
+            return False
+    return True
+
+
 def check_shape(shape, what: str) -> tuple[int, ...]:
     """``shape`` as a tuple of ints; LayoutError for a negative, fractional or non-numeric size
     (``2.5`` is refused, not truncated to 2)."""
@@ -74,6 +83,13 @@ def _squeezed(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(s for s in sizes if s != 1)
 
 
+@lru_cache(maxsize=1 << 12)
+def _same_shape(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether boxes of sizes ``a`` and ``b`` hold the same elements once size-1 dims are dropped
+    (asked once per pair of sizes: every expert of every layer asks the same)."""
+    return prod(a) == prod(b) and _squeezed(a) == _squeezed(b)
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
@@ -95,7 +111,7 @@ class Piece:
     def __post_init__(self):
         if self.box.sizes == self.local.sizes:
             return
-        if self.box.numel != self.local.numel or _squeezed(self.box.sizes) != _squeezed(self.local.sizes):
+        if not _same_shape(self.box.sizes, self.local.sizes):
             raise LayoutError(f"piece of {self.tensor}: global box {self.box} and local box {self.local} differ in shape")
 
     def local_of(self, sub: Box) -> Box:
@@ -217,6 +233,27 @@ def shard_box(shape: Sequence[int], mesh: Mesh, rank: int, placements: Sequence[
     return Box(tuple(offs), tuple(sizes))
 
 
+def _check_geometry(rank: int, buf: Buffer, tensors: Mapping[str, TensorMeta]) -> None:
+    """Every piece of ``buf`` (on ``rank``) inside its tensor and inside the buffer, no two overlapping."""
+    for p in buf.pieces:
+        meta = tensors[p.tensor]
+        if not _inside(p.box, meta.shape):
+            raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
+        if not _inside(p.local, buf.shape):
+            raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
+    if len(buf.pieces) < 2:
+        return
+    ps = sorted(buf.pieces, key=lambda p: p.local.offsets)
+    for i, a in enumerate(ps):
+        end = a.local.offsets[0] + a.local.sizes[0] if a.local.ndim else None
+        for b in ps[i + 1:]:
+            if end is not None and b.local.offsets[0] >= end:
+                break  # sorted by offset: no later piece can reach back into a
+            if _overlap(a.local, b.local):
+                raise LayoutError(f"rank {rank} buffer {buf.name}: pieces {a.tensor}{a.box} and {b.tensor}{b.box} "
+                                  f"overlap at local {a.local.intersect(b.local)}")
+
+
 @dataclass
 class Layout:
     """All logical tensors of one side (source or destination) and every rank's buffers.
@@ -251,6 +288,49 @@ class Layout:
             checked[id(buffer)] = (buffer, self.tensors)
         rank_bufs[buffer.name] = buffer
 
+    def add_buffers(self, rank: int, buffers: tuple[Buffer, ...]) -> None:
+        """The ``buffers`` on ``rank``, in order: :meth:`add_buffer` for each, but the same tuple
+        object on several ranks (a part of a layer that ranks share) is checked once and then
+        added in one dict update.
+
+            rank | add_buffers(rank, norms)        norms = (input_layernorm, post_attention_layernorm)
+            0    | checks both, adds both
+            1    | adds both (the same tuple: no check)
+        """
+        self.add_parts(rank, (buffers,))
+
+    def add_parts(self, rank: int, parts: Iterable[tuple[Buffer, ...]]) -> None:
+        """:meth:`add_buffers` of each tuple in ``parts``, in order (one call for a rank's parts)."""
+        rank_bufs = self.buffers.setdefault(int(rank), {})
+        checked = self.__dict__.get("_checked")
+        if checked is None:
+            checked = self.__dict__["_checked"] = {}
+        tensors = self.tensors
+        for buffers in parts:
+            got = checked.get(id(buffers))
+            if got is None or got[0] is not buffers or got[1] is not tensors:
+                got = checked[id(buffers)] = (buffers, tensors, self._named(rank, buffers, checked))
+            named = got[2]
+            if not rank_bufs.keys().isdisjoint(named):
+                dup = next(n for n in named if n in rank_bufs)
+                raise LayoutError(f"rank {rank} has two buffers named {dup}")
+            rank_bufs.update(named)
+
+    def _named(self, rank: int, buffers: tuple[Buffer, ...], checked: dict) -> dict[str, Buffer]:
+        """``buffers`` by name, each checked (once per object, as in :meth:`add_buffer`)."""
+        if type(buffers) is not tuple:
+            raise LayoutError(f"rank {rank}: add_buffers takes a tuple of Buffers, not {type(buffers).__name__}")
+        named: dict[str, Buffer] = {}
+        for b in buffers:
+            if b.name in named:
+                raise LayoutError(f"rank {rank} has two buffers named {b.name}")
+            seen = checked.get(id(b))
+            if seen is None or seen[0] is not b or seen[1] is not self.tensors:
+                self._check_buffer(rank, b)
+                checked[id(b)] = (b, self.tensors)
+            named[b.name] = b
+        return named
+
     def add_sharded(self, name: str, shape: Sequence[int], dtype: str, mesh: Mesh,
                     placements: Sequence[tuple[str, int]] = (), buffer: str | None = None,
                     mode: str = "exact") -> None:
@@ -261,28 +341,23 @@ class Layout:
             self.add_buffer(r, Buffer(buffer or name, box.sizes, dtype, (Piece(name, box, Box.full(box.sizes)),)))
 
     def _check_buffer(self, rank: int, buf: Buffer) -> None:
-        if not isinstance(buf.shape, tuple) or not all(type(n) is int and n >= 0 for n in buf.shape):
+        if not isinstance(buf.shape, tuple) or (buf.shape and (set(map(type, buf.shape)) != _INT or min(buf.shape) < 0)):
             raise LayoutError(f"rank {rank} buffer {buf.name}: shape {buf.shape!r} must be a tuple of integers >= 0")
+        tensors, shapes = self.tensors, []
         for p in buf.pieces:
-            meta = self.tensors.get(p.tensor)
+            meta = tensors.get(p.tensor)
             if meta is None:
                 raise LayoutError(f"rank {rank} buffer {buf.name}: piece of undeclared tensor {p.tensor}")
             if meta.dtype != buf.dtype:
                 raise LayoutError(f"rank {rank} buffer {buf.name} is {buf.dtype} but holds {p.tensor} of dtype {meta.dtype}")
-            if not _inside(p.box, meta.shape):
-                raise LayoutError(f"rank {rank} buffer {buf.name}: box {p.box} is outside {p.tensor} of shape {meta.shape}")
-            if not _inside(p.local, buf.shape):
-                raise LayoutError(f"rank {rank} buffer {buf.name} of shape {buf.shape}: local box {p.local} of {p.tensor} is outside it")
-        if len(buf.pieces) < 2:
+            shapes.append((meta.shape, p.box, p.local))
+        # the rest depends on sizes and boxes only: every layer's copy of a buffer asks the same
+        sound = self.__dict__.setdefault("_sound", set())
+        key = (buf.shape, tuple(shapes))
+        if key in sound:
             return
-        ps = sorted(buf.pieces, key=lambda p: p.local)
-        for i, a in enumerate(ps):
-            for b in ps[i + 1:]:
-                if a.local.ndim and b.local.offsets[0] >= a.local.ends[0]:
-                    break  # sorted by offset: no later piece can reach back into a
-                if a.local.intersect(b.local) is not None:
-                    raise LayoutError(f"rank {rank} buffer {buf.name}: pieces {a.tensor}{a.box} and {b.tensor}{b.box} "
-                                      f"overlap at local {a.local.intersect(b.local)}")
+        _check_geometry(rank, buf, self.tensors)
+        sound.add(key)
 
     @property
     def ranks(self) -> list[int]:

@@ -22,6 +22,7 @@ Example, DSV3 tiny at tp=2 pp=2 (4 ranks)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping
 
 from ..core.box import Box, split_range
@@ -94,6 +95,8 @@ class _Builder:
         self.m = megatron_meshes(sizes.world, sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp, sizes.order, rank_offset)
         self.lay = Layout()
         self.made: dict[tuple, Buffer] = {}
+        self.parts: dict[tuple, tuple[Buffer, ...]] = {}
+        self.pending: list[Buffer] | None = None
 
     def tensor(self, name, shape, dtype):
         old = self.lay.tensors.get(name)
@@ -101,11 +104,32 @@ class _Builder:
             self.lay.add_tensor(name, shape, dtype)
 
     def add(self, rank, key: tuple, make) -> None:
-        """The buffer ``make()`` makes, made once per ``key`` (all it depends on), on ``rank``."""
+        """The buffer ``make()`` makes, made once per ``key`` (all it depends on), on ``rank`` (or
+        into the part :meth:`part` is collecting)."""
         buf = self.made.get(key)
         if buf is None:
             buf = self.made[key] = make()
-        self.lay.add_buffer(rank, buf)
+        self.put(rank, buf)
+
+    def put(self, rank, buf: Buffer) -> None:
+        """``buf`` on ``rank``, or into the part :meth:`part` is collecting."""
+        if self.pending is not None:
+            self.pending.append(buf)
+        else:
+            self.lay.add_buffer(rank, buf)
+
+    def part(self, rank, key: tuple, fill) -> None:
+        """The buffers ``fill()`` adds, collected once per ``key`` (all they depend on) into one tuple
+        that every rank with that key gets (:meth:`Layout.add_buffers`: checked once)."""
+        got = self.parts.get(key)
+        if got is None:
+            self.pending = []
+            try:
+                fill()
+                got = self.parts[key] = tuple(self.pending)
+            finally:
+                self.pending = None
+        self.lay.add_buffers(rank, got)
 
     def whole(self, rank, buf, name, shape, dtype):
         self.tensor(name, shape, dtype)
@@ -189,8 +213,32 @@ def _is_moe(cfg, layer: int, family: str) -> bool:
     return layer >= _get(cfg, "first_k_dense_replace", 0)
 
 
+@lru_cache(maxsize=1 << 14)
+def _expert_boxes(e: int, i_off: int, i_n: int, inter: int, hidden: int) -> tuple[Box, ...]:
+    """Expert ``e``'s boxes in its fused ``[E, 2I, H]`` gate_up / ``[E, H, I]`` down tensors and in its
+    local ``linear_fc1`` / ``linear_fc2`` (gate, local, up, local, down, local): the same in every
+    layer, made once (boxes are immutable)."""
+    return (Box((e, i_off, 0), (1, i_n, hidden)), Box((0, 0), (i_n, hidden)),
+            Box((e, inter + i_off, 0), (1, i_n, hidden)), Box((i_n, 0), (i_n, hidden)),
+            Box((e, 0, i_off), (1, hidden, i_n)), Box((0, 0), (hidden, i_n)))
+
+
 def _layer(b: _Builder, r: int, c: dict, mp: str, hp: str, layer: int, family: str) -> None:
-    cfg, tp, t = b.cfg, b.sizes.tp, c["tp"]
+    """Layer ``layer``'s buffers on rank ``r`` in three parts, each made once per what it depends on:
+    attention, norms, router and dense MLP (the TP coordinate), routed experts (the expert
+    coordinates), shared experts (the TP coordinate)."""
+    t = c["tp"]
+    b.part(r, ("layer", mp, hp, layer, family, t), lambda: _attention_and_dense(b, r, t, mp, hp, layer, family))
+    if not _is_moe(b.cfg, layer, family):
+        return
+    ec = b.m.expert.coord(r)
+    b.part(r, ("experts", mp, hp, ec["ep"], ec["etp"]), lambda: _experts(b, r, ec, mp + "mlp.", hp))
+    if _get(b.cfg, "n_shared_experts", 0):
+        b.part(r, ("shared", mp, hp, t), lambda: _shared_experts(b, r, t, mp + "mlp.", hp))
+
+
+def _attention_and_dense(b: _Builder, r: int, t: int, mp: str, hp: str, layer: int, family: str) -> None:
+    cfg, tp = b.cfg, b.sizes.tp
     H = _get(cfg, "hidden_size")
     heads = _get(cfg, "num_attention_heads")
     b.whole(r, mp + "input_layernorm.weight", hp + "input_layernorm.weight", (H,), b.norm_dtype)
@@ -232,26 +280,35 @@ def _layer(b: _Builder, r: int, c: dict, mp: str, hp: str, layer: int, family: s
         b.rows(r, m + "linear_fc2.weight", hp + "mlp.down_proj.weight", (H, F), tp, t, dim=1)
         return
     E = _get(cfg, "n_routed_experts", _get(cfg, "num_experts"))
-    I = _get(cfg, "moe_intermediate_size")
     b.whole(r, m + "router.weight", hp + "mlp.gate.weight", (E, H), b.dtype)
     if family == "deepseek_v3":
         b.whole(r, m + "router.expert_bias", hp + "mlp.gate.e_score_correction_bias", (E,), b.bias_dtype)
-    ec = b.m.expert.coord(r)
+
+
+def _experts(b: _Builder, r: int, ec: dict, m: str, hp: str) -> None:
+    cfg = b.cfg
+    H = _get(cfg, "hidden_size")
+    E = _get(cfg, "n_routed_experts", _get(cfg, "num_experts"))
+    I = _get(cfg, "moe_intermediate_size")
     ep, etp = b.m.expert.axis_size("ep"), b.m.expert.axis_size("etp")
     e_off, e_n = split_range(E, ep, ec["ep"], "exact")
     i_off, i_n = split_range(I, etp, ec["etp"], "exact")
     gu, dn = hp + "mlp.experts.gate_up_proj", hp + "mlp.experts.down_proj"
     b.tensor(gu, (E, 2 * I, H), b.dtype)
     b.tensor(dn, (E, H, I), b.dtype)
+    # made straight away: the part (this layer, these expert coordinates) is made once, and no other
+    # part holds these experts' buffers
     for j in range(e_n):
-        e = e_off + j
         x = f"{m}experts.local_experts.{j}."
-        b.add(r, ("fc1", x, gu, e, i_off, i_n, I, H, b.dtype), lambda: Buffer(x + "linear_fc1.weight", (2 * i_n, H), b.dtype, (
-            Piece(gu, Box((e, i_off, 0), (1, i_n, H)), Box((0, 0), (i_n, H))),
-            Piece(gu, Box((e, I + i_off, 0), (1, i_n, H)), Box((i_n, 0), (i_n, H))))))
-        b.add(r, ("fc2", x, dn, e, i_off, i_n, H, b.dtype), lambda: Buffer(x + "linear_fc2.weight", (H, i_n), b.dtype, (
-            Piece(dn, Box((e, 0, i_off), (1, H, i_n)), Box((0, 0), (H, i_n))),)))
-    shared = _get(cfg, "n_shared_experts", 0)
+        gate, gate_loc, up, up_loc, down, down_loc = _expert_boxes(e_off + j, i_off, i_n, I, H)
+        b.put(r, Buffer(x + "linear_fc1.weight", (2 * i_n, H), b.dtype, (Piece(gu, gate, gate_loc), Piece(gu, up, up_loc))))
+        b.put(r, Buffer(x + "linear_fc2.weight", (H, i_n), b.dtype, (Piece(dn, down, down_loc),)))
+
+
+def _shared_experts(b: _Builder, r: int, t: int, m: str, hp: str) -> None:
+    cfg, tp = b.cfg, b.sizes.tp
+    H = _get(cfg, "hidden_size")
+    shared, I = _get(cfg, "n_shared_experts", 0), _get(cfg, "moe_intermediate_size")
     if shared:
         S = I * shared
         b.gate_up(r, m + "shared_experts.linear_fc1.weight", hp + "mlp.shared_experts.gate_proj.weight",

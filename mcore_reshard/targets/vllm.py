@@ -139,16 +139,37 @@ def _runs(ids: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=4096)
+def _w13_boxes(experts: tuple[int, ...], inter: int, hidden: int, m: int, j: int) -> tuple:
+    """(offset, size) of MoE-TP shard ``j`` of ``m`` of the intermediate dim and (gate box, its local
+    box, up box, its local box) per run of ``experts``: the same for every layer, made once (boxes
+    are immutable).  ``inter`` must divide by ``m``."""
+    off, size = split_range(inter, m, j, "exact")
+    return off, size, tuple((Box((g, off, 0), (n, size, hidden)), Box((loc, 0, 0), (n, size, hidden)),
+                             Box((g, inter + off, 0), (n, size, hidden)), Box((loc, size, 0), (n, size, hidden)))
+                            for loc, g, n in _runs(experts))
+
+
+@lru_cache(maxsize=4096)
+def _w2_boxes(experts: tuple[int, ...], inter: int, hidden: int, m: int, j: int) -> tuple:
+    """(offset, size) and (down box, its local box) per run of ``experts`` (see :func:`_w13_boxes`)."""
+    off, size = split_range(inter, m, j, "exact")
+    return off, size, tuple((Box((g, 0, off), (n, hidden, size)), Box((loc, 0, 0), (n, hidden, size)))
+                            for loc, g, n in _runs(experts))
+
+
 def experts_w13(name: str, gate_up: str, experts: Sequence[int], inter: int, hidden: int, dtype: str, m: int, j: int,
                 shared: tuple[str, str] | None = None) -> Buffer:
     """``FusedMoE`` ``w13_weight`` ``[E_loc (+1), 2*I/m, H]``: per local expert ``[gate_j; up_j]``
     (``weight_loader`` narrows w1/w3 on dim 0 by the MoE-TP rank ``j``).  ``shared`` =
     (gate_proj, up_proj) of a shared expert fused as the last slot (SGLang)."""
-    off, size = _split(inter, m, j, f"{name} intermediate")
+    if inter % m:
+        _split(inter, m, j, f"{name} intermediate")          # raises, naming the buffer
+    off, size, runs = _w13_boxes(tuple(experts), inter, hidden, m, j)
     pieces = []
-    for loc, g, n in _runs(tuple(experts)):
-        pieces.append(Piece(gate_up, Box((g, off, 0), (n, size, hidden)), Box((loc, 0, 0), (n, size, hidden))))
-        pieces.append(Piece(gate_up, Box((g, inter + off, 0), (n, size, hidden)), Box((loc, size, 0), (n, size, hidden))))
+    for gate, gate_loc, up, up_loc in runs:
+        pieces.append(Piece(gate_up, gate, gate_loc))
+        pieces.append(Piece(gate_up, up, up_loc))
     slots = len(experts)
     if shared is not None:
         pieces.append(Piece(shared[0], Box((off, 0), (size, hidden)), Box((slots, 0, 0), (1, size, hidden))))
@@ -160,9 +181,10 @@ def experts_w13(name: str, gate_up: str, experts: Sequence[int], inter: int, hid
 def experts_w2(name: str, down: str, experts: Sequence[int], inter: int, hidden: int, dtype: str, m: int, j: int,
                shared: str | None = None) -> Buffer:
     """``FusedMoE`` ``w2_weight`` ``[E_loc (+1), H, I/m]`` (w2 narrowed on dim 1)."""
-    off, size = _split(inter, m, j, f"{name} intermediate")
-    pieces = [Piece(down, Box((g, 0, off), (n, hidden, size)), Box((loc, 0, 0), (n, hidden, size)))
-              for loc, g, n in _runs(tuple(experts))]
+    if inter % m:
+        _split(inter, m, j, f"{name} intermediate")          # raises, naming the buffer
+    off, size, runs = _w2_boxes(tuple(experts), inter, hidden, m, j)
+    pieces = [Piece(down, box, loc) for box, loc in runs]
     slots = len(experts)
     if shared is not None:
         pieces.append(Piece(shared, Box((0, off), (hidden, size)), Box((slots, 0, 0), (1, hidden, size))))
@@ -229,7 +251,10 @@ class _RankBuffers:
         return out
 
     def finish(self) -> Layout:
-        used = {p.tensor for bufs in self.layout.buffers.values() for b in bufs.values() for p in b.pieces}
+        distinct: dict[int, Buffer] = {}        # id -> buffer, each shared buffer once (no loop per rank in Python)
+        for bufs in self.layout.buffers.values():
+            distinct.update(zip(map(id, bufs.values()), bufs.values()))
+        used = {p.tensor for b in distinct.values() for p in b.pieces}
         for name in [n for n in self.layout.tensors if n not in used]:
             del self.layout.tensors[name]
         return self.layout
@@ -243,22 +268,45 @@ class LayoutBuilder(_RankBuffers):
 
     def layer(self, layer: int, rt: str, shards: RankShards) -> list[Buffer]:
         """Buffers of canonical layer ``layer`` under runtime prefix ``rt`` (e.g.
-        ``model.layers.3.`` or ``model.layers.61.mtp_block.``).  Parts are cached by what they
-        depend on, so ranks share buffer objects wherever their boxes agree."""
+        ``model.layers.3.`` or ``model.layers.61.mtp_block.``): :meth:`layer_parts`, flattened."""
+        return [b for part in self.layer_parts(layer, rt, shards) for b in part]
+
+    def layer_parts(self, layer: int, rt: str, shards: RankShards, experts: bool = True) -> list:
+        """The buffers of :meth:`layer` in parts cached by what they depend on (replicated, attention,
+        experts, shared experts or dense MLP), so that ranks share buffer objects wherever their
+        boxes agree, and the part tuples themselves (:meth:`Layout.add_buffers`: checked once).
+        ``experts=False``: None in the routed experts' place."""
         cfg = self.cfg
-        out = list(self.cached(("rep", layer, rt), lambda: self._replicated(layer, rt)))
-        out += self.cached(("attn", layer, rt, shards.attn), lambda: self._attn(layer, rt, *shards.attn))
+        out = [self.cached(("rep", layer, rt), lambda: tuple(self._replicated(layer, rt))),
+               self.cached(("attn", layer, rt, shards.attn), lambda: tuple(self._attn(layer, rt, *shards.attn)))]
         c = f"model.layers.{layer}."
         if cfg.is_moe_layer(layer):
-            out += self.cached(("experts", layer, rt, shards.moe_tp, shards.experts, shards.fuse_shared),
-                               lambda: self._experts(layer, rt, shards))
+            out.append(self.experts_part(layer, rt, shards) if experts else None)
             if cfg.n_shared_experts and not shards.fuse_shared:
-                out += self.cached(("shared", layer, rt, shards.shared),
-                                   lambda: self._mlp(rt, c, self.shapes(layer), shards.shared, "mlp.shared_experts"))
+                out.append(self.cached(("shared", layer, rt, shards.shared), lambda: tuple(
+                    self._mlp(rt, c, self.shapes(layer), shards.shared, "mlp.shared_experts"))))
         else:
-            out += self.cached(("dense", layer, rt, shards.dense),
-                               lambda: self._mlp(rt, c, self.shapes(layer), shards.dense, "mlp"))
+            out.append(self.cached(("dense", layer, rt, shards.dense),
+                                   lambda: tuple(self._mlp(rt, c, self.shapes(layer), shards.dense, "mlp"))))
         return out
+
+    def experts_part(self, layer: int, rt: str, shards: RankShards) -> tuple[Buffer, ...]:
+        """Layer ``layer``'s routed experts (``w13_weight``, ``w2_weight``) on a rank with ``shards``."""
+        return self.cached(("experts", layer, rt, shards.moe_tp, shards.experts, shards.fuse_shared),
+                           lambda: tuple(self._experts(layer, rt, shards)))
+
+    def _skeleton(self, shards: RankShards) -> tuple[list, list[tuple[int, int, str]]]:
+        """A rank's layer parts without its routed experts (None in their place: the same for every
+        rank with these attention / MLP shards) and (place, layer, prefix) of each expert part."""
+        parts: list = []
+        slots = []
+        for layer in range(*shards.layers):
+            rt = f"model.layers.{layer}."
+            for part in self.layer_parts(layer, rt, shards, experts=False):
+                if part is None:
+                    slots.append((len(parts), layer, rt))
+                parts.append(part)
+        return parts, slots
 
     def _replicated(self, layer: int, rt: str) -> list[Buffer]:
         """Norms, router, fused q/kv down-projection: the same on every rank."""
@@ -341,8 +389,12 @@ class LayoutBuilder(_RankBuffers):
         head_tensor = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         if shards.embed is not None:
             self.add(rank, [self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight", shards.embed)])
-        for layer in range(*shards.layers):
-            self.add(rank, self.layer(layer, f"model.layers.{layer}.", shards))
+        skeleton, slots = self.cached(("layers", shards.layers, shards.attn, shards.shared, shards.dense,
+                                       shards.fuse_shared), lambda: self._skeleton(shards))
+        parts = list(skeleton)
+        for i, layer, rt in slots:
+            parts[i] = self.experts_part(layer, rt, shards)
+        self.layout.add_parts(rank, parts)
         if shards.final_norm:
             self.add(rank, [self.whole("model.norm.weight", "model.norm.weight")])
         if shards.head is not None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 MODES = ("auto", "always", "never")
 _mode = os.environ.get("MCORE_RESHARD_PROGRESS", "auto")
@@ -37,6 +38,7 @@ def enabled() -> bool:
 def bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it",
         leave: bool = True, unit_scale: bool = False) -> tqdm:
     """A tqdm bar on stderr, drawn only when :func:`enabled` (a disabled bar still counts)."""
+    from tqdm import tqdm
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, unit_scale=unit_scale,
                 file=sys.stderr, disable=not enabled(), dynamic_ncols=True, mininterval=0.2)
 
@@ -46,22 +48,23 @@ class Steps:
     one ``[mcore-reshard] text`` line on stderr per step (logs stay readable without a terminal)."""
 
     def __init__(self, total: int, desc: str):
-        self.bar = bar(total=total, desc=desc, unit="step")
+        self.bar = bar(total=total, desc=desc, unit="step") if enabled() else None    # None: lines, no tqdm
         self.started = False
 
     def step(self, text: str) -> None:
-        if self.started:
+        if self.started and self.bar is not None:
             self.bar.update(1)
         self.started = True
-        if self.bar.disable:
+        if self.bar is None:
             print(f"[mcore-reshard] {text}", file=sys.stderr, flush=True)
         else:
             self.bar.set_postfix_str(text)
 
     def close(self) -> None:
-        if self.started:
-            self.bar.update(1)
-        self.bar.close()
+        if self.bar is not None:
+            if self.started:
+                self.bar.update(1)
+            self.bar.close()
 
     def __enter__(self) -> "Steps":
         return self

@@ -97,6 +97,50 @@ def test_add_buffer_checks_an_object_once_and_every_other_object(monkeypatch):
         lay.add_buffer(0, a)
 
 
+def test_add_buffers_checks_a_tuple_once_keeps_order_and_refuses_conflicts(monkeypatch):
+    lay = Layout()
+    lay.add_tensor("w", (4, 2), "float32")
+    calls = []
+    real = Layout._check_buffer
+    monkeypatch.setattr(Layout, "_check_buffer", lambda self, r, b: (calls.append((r, b.name)), real(self, r, b)))
+    top = Buffer("top", (2, 2), "float32", (Piece("w", Box((0, 0), (2, 2)), Box((0, 0), (2, 2))),))
+    bottom = Buffer("bottom", (2, 2), "float32", (Piece("w", Box((2, 0), (2, 2)), Box((0, 0), (2, 2))),))
+    part = (bottom, top)
+    for r in range(3):
+        lay.add_buffers(r, part)
+    assert calls == [(0, "bottom"), (0, "top")]            # once per tuple, not per rank
+    assert [list(lay.buffers[r]) for r in range(3)] == [["bottom", "top"]] * 3
+    assert all(lay.buffers[r]["top"] is top for r in range(3))
+    lay.add_buffers(3, (top,))                              # a new tuple of a checked buffer: no check
+    assert len(calls) == 2 and list(lay.buffers[3]) == ["top"]
+    with pytest.raises(LayoutError, match="rank 0 has two buffers named top"):
+        lay.add_buffers(0, (top,))
+    with pytest.raises(LayoutError, match="rank 4 has two buffers named top"):
+        lay.add_buffers(4, (top, top))
+    with pytest.raises(LayoutError, match="tuple of Buffers"):
+        lay.add_buffers(4, [top])
+    both = Buffer("both", (3, 2), "float32", (Piece("w", Box((0, 0), (2, 2)), Box((0, 0), (2, 2))),
+                                              Piece("w", Box((2, 0), (2, 2)), Box((1, 0), (2, 2)))))
+    for r in (5, 6):        # refused on every rank it is offered to, nothing added
+        with pytest.raises(LayoutError, match=f"rank {r} buffer both: pieces .* overlap at local \\[1:2, 0:2\\]"):
+            lay.add_buffers(r, (top, both))
+        assert r not in lay.buffers or not lay.buffers[r]
+
+
+def test_a_checked_geometry_is_not_trusted_for_a_tensor_of_another_shape():
+    # two layers' buffers with the same boxes: the second is checked against its own tensor's shape
+    lay = Layout()
+    lay.add_tensor("l0.w", (4, 2), "float32")
+    lay.add_tensor("l1.w", (2, 2), "float32")
+    box, local = Box((2, 0), (2, 2)), Box((0, 0), (2, 2))
+    lay.add_buffers(0, (Buffer("l0", (2, 2), "float32", (Piece("l0.w", box, local),)),))
+    lay.add_buffers(0, (Buffer("l0b", (2, 2), "float32", (Piece("l0.w", box, local),)),))     # same geometry: fine
+    with pytest.raises(LayoutError, match=r"rank 1 buffer l1: box \[2:4, 0:2\] is outside l1.w of shape \(2, 2\)"):
+        lay.add_buffers(1, (Buffer("l1", (2, 2), "float32", (Piece("l1.w", box, local),)),))
+    with pytest.raises(LayoutError, match="local box .* is outside it"):     # same tensor, smaller buffer
+        lay.add_buffers(1, (Buffer("l0c", (1, 2), "float32", (Piece("l0.w", Box((2, 0), (1, 2)), Box((1, 0), (1, 2))),)),))
+
+
 def test_a_copy_with_other_tensors_checks_again():
     # a shallow copy shares the record of checked buffers; given other tensors, it checks again
     import copy
