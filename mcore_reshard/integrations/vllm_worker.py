@@ -150,6 +150,24 @@ def _runner_identity(runner, mtp: bool, tensors, rank: int):
     return engine_identity(roots, tensors, rank)
 
 
+def _join_pair(spec: dict | None, rank: int, timeout: float) -> dict:
+    """``colocated``: one entry per worker (``None``, or ``{"channel": socket path, "device": key}``; a
+    dict alone for a one-worker engine; :func:`~mcore_reshard.colocate.pair_specs`).  A worker with
+    one accepts the trainer rank on its device (another process, in no group with it), maps its
+    weights and holds its source part (:mod:`mcore_reshard.colocate`); a failed accept is refused by
+    every rank at prepare."""
+    peer, error = try_accept(spec, rank=rank, timeout=timeout)
+    return {"peer": peer, "peer_error": error}
+
+
+def _leave(st: dict) -> None:
+    if st.get("group") is not None:
+        leave_group(st["group"])
+    if st.get("peer") is not None:
+        st["peer"].close()
+    st.clear()
+
+
 class McoreReshardWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); every public method is reachable
     through ``LLM.collective_rpc`` and returns a small picklable dict.
@@ -182,28 +200,21 @@ class McoreReshardWorkerExtension:
                            backend: str | None = None, colocated: Mapping | list | None = None) -> dict:
         """Join the shared group (collective with the trainer ranks and every other worker) as
         ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``.  Joining again (a new group, e.g.
-        after a trainer died) leaves the old group; prepare again after it.
-
-        ``colocated``: one entry per worker (``None``, or ``{"channel": socket path, "device": key}``;
-        a dict alone for a one-worker engine; :func:`~mcore_reshard.colocate.pair_specs`): a worker
-        with one accepts the trainer rank on its device (another process, in no group with it), maps
-        its weights and holds its source part (:mod:`mcore_reshard.colocate`)."""
+        after a trainer died) leaves the old group; prepare again after it.  ``colocated``: one entry
+        per worker, :func:`_join_pair` (``McoreReshardInitInfo.colocated``)."""
         c = vllm_coords(self)
         local = (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
         rank = engine_rank(rank_offset, local, world_size, f"worker ({c})")
         check_join_args(init_method, world_size, rank, timeout_s, backend)
-        pair = worker_colocated(colocated, local, c["dp"] * c["pp"] * c["tp"])
+        pair = worker_colocated(colocated, local, c["dp"] * c["pp"] * c["tp"])   # refused before any rendezvous
         st = self._mr()
         if st.get("refit") is not None and st["refit"].in_flight:
             raise ReshardError("mcore_reshard_join while a shadow transfer is in flight: mcore_reshard_refit_finish first")
-        if st.get("group") is not None:
-            self.mcore_reshard_leave()
+        _leave(st)
         group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
-        peer, peer_error = try_accept(pair, rank=rank, timeout=float(timeout_s))   # refused by all at prepare
         st.update(group=group, rank=rank, world_size=int(world_size), rank_offset=int(rank_offset),
-                  timeout_s=float(timeout_s), refit=None, peer=peer, peer_error=peer_error)
-        return {"rank": rank, "world_size": int(world_size), **c,
-                "mapped_bytes": peer.mapped_bytes if peer is not None else 0, "colocated_error": peer_error}
+                  timeout_s=float(timeout_s), refit=None, **_join_pair(pair, rank, float(timeout_s)))
+        return {"rank": rank, "world_size": int(world_size), **c, "colocated_error": st["peer_error"]}
 
     def mcore_reshard_prepare(self, spec: Mapping | None = None, *, layout: Mapping | None = None, names: str = "auto",
                               mtp: bool | str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader",
@@ -311,12 +322,7 @@ class McoreReshardWorkerExtension:
 
     def mcore_reshard_leave(self) -> dict:
         """Destroy the shared group (collective); a colocated trainer's mappings are dropped."""
-        st = self._mr()
-        if st.get("group") is not None:
-            leave_group(st["group"])
-        if st.get("peer") is not None:
-            st["peer"].close()
-        st.clear()
+        _leave(self._mr())
         return {"left": True}
 
 
