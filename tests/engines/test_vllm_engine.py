@@ -196,6 +196,16 @@ def test_colocated_pairs_share_no_process_group(run):
             assert t["group_rank"] in (None, d.trainer_group_rank(i)), (name, i, t)
 
 
+def test_colocated_refits_generate_like_the_group_refits(run):
+    """Each colocated refit generates exactly what the uncolocated refits of the same version did
+    (tokens and logprobs; independent of the fresh-load reference)."""
+    refits = run["engine"]["refits"]
+    for name, idx in _colocated_steps(run).items():
+        for i in idx:
+            plain = next(r for r in refits if r["group"] in ("backend", "extension") and r["version"] == refits[i]["version"])
+            assert refits[i]["generated"] == plain["generated"], (name, i)
+
+
 def test_colocated_bytes_over_the_group(run):
     """Per refit: bytes over the group (the plan's, and what the trainer ranks in the group measured
     sending) vs bytes mapped; every same-device byte is a local copy, so fewer cross the group than
