@@ -38,7 +38,7 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "vocab_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
           "intermediate_size": 128, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32", "bos_token_id": 0,
-          "eos_token_id": 1}
+          "eos_token_id": 1, "rope_scaling": None, "attention_bias": False, "mlp_bias": False}
 PROMPTS = [[3, 17, 42, 9], [5, 5, 5, 5, 5, 5], [100, 7, 64, 12, 1, 88]]
 STEPS = 3
 
