@@ -502,9 +502,8 @@ def judge_cli(o: dict, option: str) -> str:
     return "refused" if o["code"] == 2 and named else "DEFECT"
 
 
-def _trainer_cases(tmp: str, url: str) -> list[Case]:
-    """The trainer engine's ``colocated`` / ``engine_colocated``, over stand-in vLLM base classes: refused
-    before the client is called or anything is joined."""
+def trainer_module():
+    """``integrations.vllm_transfer_trainer`` over stand-in vLLM base classes (no vLLM here)."""
     import dataclasses
 
     @dataclasses.dataclass
@@ -517,7 +516,13 @@ def _trainer_cases(tmp: str, url: str) -> list[Case]:
             self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
     names = {"TrainerInitInfo": InitBase, "TrainerWeightTransferEngine": EngineBase, "WeightSource": object,
              "ParamMeta": tuple}
-    mod = _module_over("mcore_reshard.integrations.vllm_transfer_trainer", names)
+    return _module_over("mcore_reshard.integrations.vllm_transfer_trainer", names)
+
+
+def _trainer_cases(tmp: str, url: str) -> list[Case]:
+    """The trainer engine's ``colocated`` / ``engine_colocated``: refused before the client is called
+    or anything is joined."""
+    mod = trainer_module()
 
     class Client:       # any call reaching it is a defect: the bad value was not refused first
         def __getattr__(self, name):
