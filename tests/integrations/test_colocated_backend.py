@@ -69,3 +69,25 @@ def test_proxied_trainer_rank_gates_on_its_worker(tmp_path):
     assert w.calls == ["init"] + ["start", "update", "finish"] * 3
     eng.shutdown()
     w.peer.close()
+
+
+def test_a_failed_accept_becomes_the_join_error(tmp_path):
+    """A worker whose trainer never comes, or declares another device, gets an error (not an
+    exception) that the engines pass into the protocol's join, so that every rank refuses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mcore_reshard.colocate import ColocatedTrainer, try_accept
+    assert try_accept(None, rank=3, timeout=1.0) == (None, None)
+    peer, err = try_accept({"channel": f"{tmp_path}/never.sock", "device": "cpu:5"}, rank=3, timeout=1.0)
+    assert peer is None and "rank 3" in err and "'cpu:5'" in err, err
+    layout, tensors = rank_part(cw.split_layout(1), 0), cw.rank_tensors(1, 0, 0)
+    with ThreadPoolExecutor(1) as pool:
+        worker = pool.submit(try_accept, {"channel": f"{tmp_path}/p.sock", "device": "cpu:0"}, rank=1, timeout=30)
+        try:
+            ColocatedTrainer(layout, tensors, channel=f"{tmp_path}/p.sock", device="cpu:1", rank=0, timeout=30)
+            trainer_error = None
+        except Exception as e:  # noqa: BLE001 - judged below
+            trainer_error = str(e)
+        peer, err = worker.result()
+    assert peer is None and "a colocated pair is one device" in err and "'cpu:1'" in err, err
+    assert trainer_error is not None and "refused the binding" in trainer_error, trainer_error
