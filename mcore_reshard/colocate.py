@@ -65,6 +65,48 @@ def check_colocated(value, what: str = "colocated") -> dict | None:
     return dict(value)
 
 
+def worker_colocated(value, worker: int, workers: int, what: str = "colocated") -> dict | None:
+    """An engine's ``colocated=`` argument, read for engine worker ``worker`` of ``workers`` (the
+    same value reaches every worker: ``collective_rpc`` / an init info): ``None`` (no worker
+    proxies a trainer rank), one ``{"channel", "device"}`` dict (a one-worker engine), or a list of
+    one entry per worker, ``None`` where no trainer rank shares the worker's device
+    (:func:`pair_specs` builds it).  ValueError / TypeError naming the argument otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if workers != 1:
+            raise ValueError(f"{what}: one {{'channel', 'device'}} dict but the engine has {workers} workers: "
+                             f"pass a list of one entry (or None) per worker")
+        return check_colocated(value, what)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what}={value!r:.80}: None, a {{'channel', 'device'}} dict, or a list of one per worker")
+    if len(value) != workers:
+        raise ValueError(f"{what}: {len(value)} entries for an engine of {workers} workers (one per worker, "
+                         f"None where no trainer rank shares its device)")
+    specs = [check_colocated(v, f"{what}[{j}]") for j, v in enumerate(value)]
+    for k in ("channel", "device"):
+        seen = [s[k] for s in specs if s is not None]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"{what}: two workers declare the same {k} ({seen}): one trainer rank per device")
+    return specs[worker]
+
+
+def pair_specs(devices, directory: str) -> dict:
+    """The ``colocated=`` arguments of a whole deployment from its
+    :class:`~mcore_reshard.core.devices.DeviceMap`: ``{"trainer": [spec or None per trainer rank],
+    "engine": [spec or None per engine worker]}``, one socket ``directory/pair-<k>.sock`` per
+    colocated pair (``directory``: local, short: a socket path holds at most 100 bytes)::
+
+        DeviceMap(["a", "b"], ["a", "c"])  ->  trainer [{"channel": ".../pair-0.sock", "device": "a"}, None]
+                                               engine  [{"channel": ".../pair-0.sock", "device": "a"}, None]"""
+    trainer: list = [None] * len(devices.trainer)
+    engine: list = [None] * len(devices.engine)
+    for k, (i, j) in enumerate(sorted(devices.proxies.items())):
+        spec = check_colocated({"channel": os.path.join(directory, f"pair-{k}.sock"), "device": devices.trainer[i]})
+        trainer[i], engine[j] = spec, dict(spec)
+    return {"trainer": trainer, "engine": engine}
+
+
 def _timeout(t) -> float:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
         raise ValueError(f"timeout={t!r}: a positive number of seconds")
@@ -327,3 +369,15 @@ def accept_trainer(channel: str, *, device: str, rank: int, timeout: float = DEF
     except BaseException:
         ch.close()
         raise
+
+
+def try_accept(spec: dict | None, *, rank: int, timeout: float) -> tuple[ColocatedPeer | None, str | None]:
+    """:func:`accept_trainer` for an engine's join: ``(peer, None)``, ``(None, None)`` without a
+    ``spec``, or ``(None, error)``: the error goes into the protocol's join, so that every rank of
+    the group refuses (not only this worker)."""
+    if spec is None:
+        return None, None
+    try:
+        return accept_trainer(spec["channel"], device=spec["device"], rank=rank, timeout=timeout), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the join
+        return None, f"rank {rank}: colocated trainer on device {spec['device']!r}: {type(e).__name__}: {e}"

@@ -77,14 +77,20 @@ def guard_of(model: torch.nn.Module, name: str = "model") -> ServingGuard:
 
 
 def join_engine(group, rank: int, post: PostLoad | None, dst, tensors: dict, error: str | None, *, mode: str,
-                window_bytes: int, models: list, timeout: float, identity=None, **plan_kw) -> "EngineRefit":
+                window_bytes: int, models: list, timeout: float, identity=None, colocated=None,
+                **plan_kw) -> "EngineRefit":
     """Collective with the trainer ranks' :func:`~.protocol.join_refit`: binds this rank's ``tensors``
     (from ``post``, the runtime names the layout part ``dst`` gives it) in ``mode`` (``stream``
     asks for a plan in windows of ``window_bytes``).  Any ``error`` (or one found here) makes every
     rank refuse.  ``identity``: the modules holding what the refit writes
-    (:func:`~.protocol.engine_identity`): one the engine replaced later makes every rank refuse."""
+    (:func:`~.protocol.engine_identity`): one the engine replaced later makes every rank refuse.
+    ``colocated``: the :class:`~mcore_reshard.colocate.ColocatedPeer` of the trainer rank on this
+    worker's device: its part and mapped tensors join as this rank's source, its watcher checks
+    every refit, and every refit reports "done" to it (:meth:`EngineRefit.transfer`)."""
     check_mode(mode)
     buffers = None
+    if colocated is not None and error is None:
+        plan_kw.update(src=colocated.layout, src_tensors=colocated.tensors)
     if error is None and post is not None:
         errs = unwritten(post, tensors)
         error = " | ".join(f"rank {rank}: {e}" for e in errs) or None
@@ -101,7 +107,9 @@ def join_engine(group, rank: int, post: PostLoad | None, dst, tensors: dict, err
         r = join_refit(group, dst=dst if error is None else None,
                        dst_tensors=shadow.tensors if shadow is not None else {}, error=error, timeout=timeout, **plan_kw)
         buffers = shadow
-    return EngineRefit(r, rank, post, buffers, mode, models, identity)
+    if colocated is not None:
+        r.watch("src", colocated.check)
+    return EngineRefit(r, rank, post, buffers, mode, models, identity, colocated)
 
 
 def _stream_tensors(stream: StreamWindows, tensors: dict, windows) -> list[dict]:
@@ -113,9 +121,10 @@ def _stream_tensors(stream: StreamWindows, tensors: dict, windows) -> list[dict]
 class EngineRefit:
     """A bound refit of one engine rank in one mode (see the module doc)."""
 
-    def __init__(self, resharder, rank: int, post: PostLoad | None, buffers, mode: str, models: list, identity=None):
+    def __init__(self, resharder, rank: int, post: PostLoad | None, buffers, mode: str, models: list, identity=None,
+                 colocated=None):
         self.resharder, self.rank, self.post, self.buffers, self.mode = resharder, rank, post, buffers, mode
-        self.identity = identity
+        self.identity, self.colocated = identity, colocated
         self.guards = [guard_of(m, "MTP draft model" if i else "model") for i, m in enumerate(models)]
         self._job: threading.Thread | None = None
         self._job_result: dict = {}
@@ -193,7 +202,7 @@ class EngineRefit:
         t0 = time.monotonic()
         try:
             with torch.no_grad():
-                stats = self.resharder.refit(version, refusal=refusal or None)
+                stats = self._run(lambda: self.resharder.refit(version, refusal=refusal or None))
             self._job_result = {"stats": {**stats, "seconds": round(time.monotonic() - t0, 4)}}
         except BaseException as e:  # noqa: BLE001 - handed to complete()
             self._job_result = {"error": e}
@@ -208,8 +217,8 @@ class EngineRefit:
         t0 = time.monotonic()
         try:
             with torch.no_grad():
-                stats = r.refit(version, refusal=refusal or None,
-                                after_window=buffers.after_window if buffers is not None else None)
+                stats = self._run(lambda: r.refit(version, refusal=refusal or None,
+                                                  after_window=buffers.after_window if buffers is not None else None))
         except BaseException as e:
             if buffers is not None:
                 buffers.free()
@@ -229,6 +238,10 @@ class EngineRefit:
         return {"rank": self.rank, **stats, "seconds": round(time.monotonic() - t0, 3), "mode": "stream",
                 "arena_bytes": buffers.arena_bytes if buffers is not None else 0}
 
+    def _run(self, refit):
+        """A colocated worker tells its trainer rank when it has read the mapped weights (ok or not)."""
+        return self.colocated.run(refit) if self.colocated is not None else refit()
+
     # ------------------------------------------------------------------ guard and state
     def _close(self, reason: str) -> None:
         for g in self.guards:
@@ -242,6 +255,7 @@ class EngineRefit:
         """The resharder's state, whether the engine serves (the guard) and what the mode holds now."""
         s = self.resharder.state()
         s.update(mode=self.mode, serving=all(g.serving for g in self.guards),
+                 mapped_bytes=self.colocated.mapped_bytes if self.colocated is not None else 0,
                  refusing=next((g.reason for g in self.guards if not g.serving), None),
                  transfer_in_flight=self.in_flight,
                  held_bytes=self.buffers.held_bytes if self.buffers is not None else 0)

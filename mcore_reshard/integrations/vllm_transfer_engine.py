@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from ..colocate import try_accept, worker_colocated
 from ..core.executor import ReshardError
 from ..core.planner import DEFAULT_BUDGET, DEFAULT_WINDOW
 from ..core.planner.windows import check_window_bytes
@@ -53,7 +54,14 @@ class McoreReshardInitInfo(WeightTransferInitInfo):
     transfer, window by window of ``window_bytes``) or ``"shadow"`` (a persistent loader-format
     copy: ``update_weights`` starts the transfer and returns, the engine keeps generating on the
     previous weights, ``finish_weight_update`` waits for it and swaps); see
-    :mod:`~mcore_reshard.integrations.vllm_refit_modes`."""
+    :mod:`~mcore_reshard.integrations.vllm_refit_modes`.
+
+    ``colocated``: workers that share their device with a trainer rank in another process (no
+    process group between the two): ``None``, or one entry per worker (``None``, or ``{"channel":
+    socket path, "device": key}``; a dict alone for a one-worker engine; :func:`~mcore_reshard.colocate.pair_specs`).
+    Such a worker maps its trainer rank's weights and holds its source part in the group
+    (:mod:`mcore_reshard.colocate`); ``rank_offset`` / ``world_size`` then follow the device map
+    (:mod:`mcore_reshard.core.devices`)."""
     init_method: str
     world_size: int
     rank_offset: int
@@ -68,6 +76,7 @@ class McoreReshardInitInfo(WeightTransferInitInfo):
     post_load: str = "reprocess"          # "none": the model was never processed (a bare model class)
     refit_mode: str = "stream"
     window_bytes: int = DEFAULT_WINDOW
+    colocated: dict | list | None = None
 
 
 @dataclass
@@ -92,6 +101,7 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
         self.rank = -1
         self.refits: dict[str, EngineRefit] = {}
         self.reports: list[dict] = []
+        self.peer, self.peer_error = None, None
 
     # -------------------------------------------------------------- helpers
     def _view(self):
@@ -143,31 +153,32 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
             dst, tensors, post, error = self._destination(draft)
             info = self.info
             models = [self.model] if draft else [self._default_model]
+            error = error or self.peer_error
             self.refits[key] = join_engine(self.group, self.rank, post, dst, tensors, error, mode=info.refit_mode,
                                            window_bytes=info.window_bytes, models=models, timeout=info.timeout_s,
                                            identity=engine_identity({MTP_PREFIX if draft else "": models[0]}, tensors,
                                                                     self.rank),
-                                           **plan_kwargs(vars(info)))
+                                           colocated=self.peer, **plan_kwargs(vars(info)))
         return self.refits[key]
 
     # -------------------------------------------------------------- vLLM API
     def init_transfer_engine(self, init_info) -> None:
         c = vllm_coords(self._view())
-        rank = engine_rank(init_info.rank_offset, (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"],
-                           init_info.world_size, f"worker ({c})")
+        local = (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
+        rank = engine_rank(init_info.rank_offset, local, init_info.world_size, f"worker ({c})")
+        pair = worker_colocated(getattr(init_info, "colocated", None), local, c["dp"] * c["pp"] * c["tp"])
         check_join_args(init_info.init_method, init_info.world_size, rank, init_info.timeout_s,
                         init_info.group_backend)
         check_mode(init_info.refit_mode)
         check_window_bytes(init_info.window_bytes)
         if any(r.in_flight for r in self.refits.values()):
             raise ReshardError("init_weight_transfer_engine while a shadow transfer is in flight: finish it first")
-        if self.group is not None:        # a new group (the old one may be broken): leave it first
-            leave_group(self.group)
-            self.group = None
-        self.refits = {}
+        self.shutdown()                   # a new group (the old one may be broken): leave it first
         self.info, self.rank = init_info, rank
         self.group = join_group(init_info.init_method, int(init_info.world_size), self.rank,
                                 backend=init_info.group_backend, timeout_s=float(init_info.timeout_s))
+        # a failed accept is refused by every rank at the first update's join
+        self.peer, self.peer_error = try_accept(pair, rank=rank, timeout=float(init_info.timeout_s))
 
     def start_weight_update(self) -> None:
         """Opens an update (nothing moves yet)."""
@@ -210,4 +221,6 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
     def shutdown(self) -> None:
         if self.group is not None:
             leave_group(self.group)
-        self.group, self.refits = None, {}
+        if self.peer is not None:
+            self.peer.close()
+        self.group, self.refits, self.peer, self.peer_error = None, {}, None, None

@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
+from ..colocate import ColocatedTrainer, check_colocated, worker_colocated
 from ..core.executor import ReshardError
 from ..core.planner import DEFAULT_BUDGET, DEFAULT_WINDOW
 from .protocol import join_group, join_refit, leave_group, timed_refit
@@ -28,7 +29,17 @@ class McoreReshardTrainerInitInfo(TrainerInitInfo):
     ``rank_offset`` (default ``T``) is where the engine's workers start.  ``refit_mode`` /
     ``window_bytes``: how the engine receives (``"stream"``, default: no second copy of the weights,
     window by window; ``"shadow"``: into a persistent copy while it keeps generating; see
-    :mod:`~mcore_reshard.integrations.vllm_refit_modes`), sent to the workers with the rest."""
+    :mod:`~mcore_reshard.integrations.vllm_refit_modes`), sent to the workers with the rest.
+
+    Colocated (:mod:`mcore_reshard.colocate`; every value from one
+    :class:`~mcore_reshard.core.devices.DeviceMap` ``d`` and ``s = pair_specs(d, dir)``):
+    ``colocated=s["trainer"][i]`` on trainer rank ``i``: when not None this rank shares its device
+    with an engine worker and joins no group -- it hands its weights to that worker
+    (:class:`~mcore_reshard.colocate.ColocatedTrainer`; ``rank`` is then unused); otherwise
+    ``rank=d.trainer_group_rank(i)``.  ``engine_colocated=s["engine"]`` (the workers' ``colocated``),
+    ``rank_offset=d.rank_offset``, ``world_size=d.group_size``::
+
+        DeviceMap(["a", "b"], ["a"]):  trainer 0: colocated=pair-0 | trainer 1: rank=0 | worker: group rank 1"""
     backend = BACKEND
     init_method: str = ""
     world_size: int = 0
@@ -45,13 +56,16 @@ class McoreReshardTrainerInitInfo(TrainerInitInfo):
     post_load: str = "reprocess"
     refit_mode: str = "stream"
     window_bytes: int = DEFAULT_WINDOW
+    colocated: dict | None = None
+    engine_colocated: list | dict | None = None
 
     def worker_info(self) -> dict:
         off = self.trainer_ranks if self.rank_offset is None else self.rank_offset
         return {"init_method": self.init_method, "world_size": self.world_size, "rank_offset": off,
                 "timeout_s": self.timeout_s, "group_backend": self.group_backend, "layout": self.layout,
                 "ignore_params": list(self.ignore_params), "post_load": self.post_load,
-                "refit_mode": self.refit_mode, "window_bytes": self.window_bytes, **plan_kwargs(vars(self))}
+                "refit_mode": self.refit_mode, "window_bytes": self.window_bytes, "colocated": self.engine_colocated,
+                **plan_kwargs(vars(self))}
 
 
 class MegatronSource(WeightSource):
@@ -81,14 +95,25 @@ class McoreReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ReshardError("the mcore_reshard trainer engine needs a source (MegatronSource)")
         check_mode(init_info.refit_mode)
+        pair = check_colocated(init_info.colocated, "colocated")
+        workers = init_info.engine_colocated      # each worker reads its own entry; all are checked here first
+        n = len(workers) if isinstance(workers, (list, tuple)) else 1
+        for j in range(n if workers is not None else 0):
+            worker_colocated(workers, j, n, "engine_colocated")
         self = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
         self.info = init_info
         self.resharders: dict[str, Any] = {}
         self.version = 0
-        self._call(lambda: client.init_weight_transfer_engine(init_info.worker_info()),
-                   lambda: setattr(self, "group", join_group(init_info.init_method, init_info.world_size,
-                                                             init_info.rank, backend=init_info.group_backend,
-                                                             timeout_s=init_info.timeout_s)))
+        self.group = self.colocated = None
+        if pair is not None:              # proxied by the engine worker on this device: no group
+            local = lambda: setattr(self, "colocated", ColocatedTrainer(
+                source.layout, source.tensors, channel=pair["channel"], device=pair["device"], rank=source.rank,
+                timeout=init_info.timeout_s))
+        else:
+            local = lambda: setattr(self, "group", join_group(init_info.init_method, init_info.world_size,
+                                                              init_info.rank, backend=init_info.group_backend,
+                                                              timeout_s=init_info.timeout_s))
+        self._call(lambda: client.init_weight_transfer_engine(init_info.worker_info()), local)
         return self
 
     def _call(self, rpc, local):
@@ -112,6 +137,8 @@ class McoreReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine):
                 raise err[0]
 
     def _refit(self, key: str, version: int):
+        if self.colocated is not None:    # returns once the worker has read this rank's weights
+            return {"rank": self.info.rank, "colocated": self.colocated.refit(version)}
         if key not in self.resharders:
             # the workers ask for the windows of their refit mode (join_refit: the plan follows them)
             self.resharders[key] = join_refit(self.group, src=self.source.layout, src_tensors=self.source.tensors,
@@ -148,3 +175,6 @@ class McoreReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if getattr(self, "group", None) is not None:
             leave_group(self.group)
             self.group = None
+        if getattr(self, "colocated", None) is not None:
+            self.colocated.close()
+            self.colocated = None

@@ -39,6 +39,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..colocate import try_accept, worker_colocated
 from ..core.executor import ReshardError, dtype_name
 from ..core.planner import DEFAULT_BUDGET, DEFAULT_WINDOW
 from ..core.planner.windows import check_window_bytes
@@ -149,6 +150,24 @@ def _runner_identity(runner, mtp: bool, tensors, rank: int):
     return engine_identity(roots, tensors, rank)
 
 
+def _join_pair(spec: dict | None, rank: int, timeout: float) -> dict:
+    """``colocated``: one entry per worker (``None``, or ``{"channel": socket path, "device": key}``; a
+    dict alone for a one-worker engine; :func:`~mcore_reshard.colocate.pair_specs`).  A worker with
+    one accepts the trainer rank on its device (another process, in no group with it), maps its
+    weights and holds its source part (:mod:`mcore_reshard.colocate`); a failed accept is refused by
+    every rank at prepare."""
+    peer, error = try_accept(spec, rank=rank, timeout=timeout)
+    return {"peer": peer, "peer_error": error}
+
+
+def _leave(st: dict) -> None:
+    if st.get("group") is not None:
+        leave_group(st["group"])
+    if st.get("peer") is not None:
+        st["peer"].close()
+    st.clear()
+
+
 class McoreReshardWorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); every public method is reachable
     through ``LLM.collective_rpc`` and returns a small picklable dict.
@@ -178,24 +197,24 @@ class McoreReshardWorkerExtension:
 
     # ------------------------------------------------------------------ RPC methods
     def mcore_reshard_join(self, init_method: str, world_size: int, rank_offset: int, timeout_s: float = 600.0,
-                           backend: str | None = None) -> dict:
+                           backend: str | None = None, colocated: Mapping | list | None = None) -> dict:
         """Join the shared group (collective with the trainer ranks and every other worker) as
         ``rank_offset + (dp_rank * pp + pp_rank) * tp + tp_rank``.  Joining again (a new group, e.g.
-        after a trainer died) leaves the old group; prepare again after it."""
+        after a trainer died) leaves the old group; prepare again after it.  ``colocated``: one entry
+        per worker, :func:`_join_pair` (``McoreReshardInitInfo.colocated``)."""
         c = vllm_coords(self)
-        rank = engine_rank(rank_offset, (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"], world_size,
-                           f"worker ({c})")
+        local = (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
+        rank = engine_rank(rank_offset, local, world_size, f"worker ({c})")
         check_join_args(init_method, world_size, rank, timeout_s, backend)
+        pair = worker_colocated(colocated, local, c["dp"] * c["pp"] * c["tp"])   # refused before any rendezvous
         st = self._mr()
         if st.get("refit") is not None and st["refit"].in_flight:
             raise ReshardError("mcore_reshard_join while a shadow transfer is in flight: mcore_reshard_refit_finish first")
-        if st.get("group") is not None:
-            leave_group(st["group"])
-            st.clear()
+        _leave(st)
         group = join_group(init_method, int(world_size), rank, backend=backend, timeout_s=float(timeout_s))
         st.update(group=group, rank=rank, world_size=int(world_size), rank_offset=int(rank_offset),
-                  timeout_s=float(timeout_s), refit=None)
-        return {"rank": rank, "world_size": int(world_size), **c}
+                  timeout_s=float(timeout_s), refit=None, **_join_pair(pair, rank, float(timeout_s)))
+        return {"rank": rank, "world_size": int(world_size), **c, "colocated_error": st["peer_error"]}
 
     def mcore_reshard_prepare(self, spec: Mapping | None = None, *, layout: Mapping | None = None, names: str = "auto",
                               mtp: bool | str = "auto", budget_bytes: int = DEFAULT_BUDGET, allow_cast: bool | str = "loader",
@@ -232,13 +251,14 @@ class McoreReshardWorkerExtension:
                                                      ignore=ignore_params)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the join
             error, dst, tensors = f"rank {rank}: {type(e).__name__}: {e}", None, {}
+        error = error or st.get("peer_error")
         t0 = time.monotonic()
         models = list(self._mr_models(mtp_on).values()) if error is None else [self.model_runner.model]
         ident = _runner_identity(self.model_runner, mtp_on, tensors, rank) if error is None else None
         r = join_engine(st["group"], rank, post if error is None else None, dst, tensors if error is None else {},
                         error, mode=refit_mode, window_bytes=window_bytes, models=models, timeout=st["timeout_s"],
                         budget_bytes=budget_bytes, allow_cast=allow_cast, ignore_unused=ignore_unused, verify=verify,
-                        identity=ident)
+                        identity=ident, colocated=st.get("peer"))
         st.update(refit=r, spec=spec, mtp=mtp_on, written=sorted(tensors), postload=post)
         plan = r.resharder.plan
         return {"rank": rank, "buffers": len(tensors), "plan_hash": plan.hash[:16], "rounds": plan.rounds,
@@ -301,11 +321,8 @@ class McoreReshardWorkerExtension:
                 **(r.state() if r is not None else {})}
 
     def mcore_reshard_leave(self) -> dict:
-        """Destroy the shared group (collective)."""
-        st = self._mr()
-        if st.get("group") is not None:
-            leave_group(st["group"])
-        st.clear()
+        """Destroy the shared group (collective); a colocated trainer's mappings are dropped."""
+        _leave(self._mr())
         return {"left": True}
 
 

@@ -10,7 +10,10 @@ mode while the engine keeps generating, and once more after a sender died mid-tr
 logprobs equal, exactly, those of a fresh engine that loaded an HF export of the same Megatron
 weights from disk.  The memory the engine's workers hold is measured from inside them (every live
 tensor storage, the model's own left out).  A parameter the engine replaces after binding makes
-every rank refuse the next refit.
+every rank refuse the next refit.  Colocated groups (``tests/engines/colocated_e2e.py``): engine
+workers declared on the devices of trainer ranks, each pair in no common process group, the
+worker mapping its trainer rank's weights (streamed, through the worker extension, shadow; a mixed
+map with a worker alone on its device).
 """
 from __future__ import annotations
 
@@ -152,6 +155,75 @@ def test_replaced_parameter_refused_on_every_rank(run):
     # nothing moved: the engine still generates what the last refit wrote
     assert eng["after_refusal"] == run["reference"][SCHEDULE[-1][1]]["generated"]
     assert SMALL["budget_bytes"] < run["engine"]["memory"]["weight_bytes"] / 10
+
+
+def _colocated_steps(run) -> dict:
+    from colocated_e2e import COLOCATED
+    out: dict = {}
+    for i, rec in enumerate(run["engine"]["refits"]):
+        if rec["group"] in COLOCATED:
+            out.setdefault(rec["group"], []).append(i)
+    return out
+
+
+def test_colocated_pairs_share_no_process_group(run):
+    """Membership seen from every process (pid, group rank, group size, and the pid its pair's channel
+    names): each colocated group holds exactly the unproxied trainer ranks and the workers, at the
+    device map's ranks; a proxied trainer rank joined nothing, its worker is its channel's peer."""
+    from colocated_e2e import device_map
+    steps = _colocated_steps(run)
+    assert set(steps) == {"colocated", "mixed", "colocated_shadow"} and len(steps["colocated"]) == 3, steps
+    for name, idx in steps.items():
+        d = device_map(name, run["tp"])
+        workers = run["engine"]["refits"][idx[0]]["facts"]
+        trainers = [t[name] for t in run["trainer_groups"]]
+        members = [t for t in trainers if t["group_rank"] is not None] + workers
+        assert sorted(m["group_rank"] for m in members) == list(range(d.group_size)), (name, members)
+        assert {m["size"] for m in members} == {d.group_size}, (name, members)
+        assert len({m["pid"] for m in members}) == d.group_size, (name, members)
+        for j, w in enumerate(workers):
+            assert w["group_rank"] == d.engine_group_rank(j), (name, j, w)
+            i = d.proxied_by(j)
+            if i is None:
+                assert w["peer_pid"] is None and w["mapped_bytes"] == 0, (name, j, w)
+                continue
+            t = trainers[i]
+            assert t["group_rank"] is None and t["pid"] not in {m["pid"] for m in members}, (name, t)
+            assert w["peer_pid"] == t["pid"] and t["peer_pid"] == w["pid"] != t["pid"], (name, t, w)
+            assert w["peer_trainer_rank"] == i and w["mapped_bytes"] > 0, (name, w)
+        for i, t in enumerate(trainers):
+            assert (t["group_rank"] is None) == (i in d.proxies), (name, i, t)
+            assert t["group_rank"] in (None, d.trainer_group_rank(i)), (name, i, t)
+
+
+def test_colocated_refits_generate_like_the_group_refits(run):
+    """Each colocated refit generates exactly what the uncolocated refits of the same version did
+    (tokens and logprobs; independent of the fresh-load reference)."""
+    refits = run["engine"]["refits"]
+    for name, idx in _colocated_steps(run).items():
+        for i in idx:
+            plain = next(r for r in refits if r["group"] in ("backend", "extension") and r["version"] == refits[i]["version"])
+            assert refits[i]["generated"] == plain["generated"], (name, i)
+
+
+def test_colocated_bytes_over_the_group(run):
+    """Per refit: bytes over the group (the plan's, and what the trainer ranks in the group measured
+    sending) vs bytes mapped; every same-device byte is a local copy, so fewer cross the group than
+    in the uncolocated backend group."""
+    refits = run["engine"]["refits"]
+    plain = refits[0]["facts"][0]["network_bytes"]
+    assert plain > 0
+    for name, idx in _colocated_steps(run).items():
+        for k, i in enumerate(idx):
+            facts = refits[i]["facts"]
+            group = facts[0]["network_bytes"]
+            assert {f["network_bytes"] for f in facts} == {group}, facts
+            mapped = sum(f["mapped_bytes"] for f in facts)
+            sent = sum(t[name]["sent"][k] for t in run["trainer_groups"])
+            print(f"engine TP{run['tp']} {name} refit {k + 1}: bytes over the group {group:,} (uncolocated "
+                  f"{plain:,}; trainer ranks in the group sent {sent:,}), copied out of mapped memory "
+                  f"{facts[0]['local_bytes']:,}, bytes mapped {mapped:,}")
+            assert 0 < facts[0]["local_bytes"] and mapped > 0 and group < plain, (name, facts, plain)
 
 
 @pytest.fixture(scope="module")

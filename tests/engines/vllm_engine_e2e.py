@@ -50,9 +50,15 @@ GROUPS = {
     "shadow": {"path": "backend", "mode": "shadow"},
     "killed": {"path": "backend", "mode": "stream"},      # sent by the source that dies (KILLED)
     "retry": {"path": "backend", "mode": "stream"},       # a new group after the failure
+    # colocated: trainer ranks and engine workers on the same devices, a pair in no common group
+    # (device maps: colocated_e2e.COLOCATED; the mixed map has a worker without a trainer rank at TP=2)
+    "colocated": {"path": "backend", "mode": "stream"},
+    "mixed": {"path": "extension", "mode": "stream"},
+    "colocated_shadow": {"path": "backend", "mode": "shadow"},
 }
 # (group, weight version): the refits the engine receives from the trainer, in order
 SCHEDULE = [("backend", "v1"), ("backend", "v2"), ("backend", "v1"),
+            ("colocated", "v2"), ("colocated", "v1"), ("colocated", "v2"), ("mixed", "v1"), ("colocated_shadow", "v2"),
             ("extension", "v2"), ("extension", "v1"), ("extension", "v2"),
             ("shadow", "v1"), ("shadow", "v2"), ("retry", "v1")]
 # before the group "retry": a refit through group "killed" whose sender dies after this many windows
@@ -104,6 +110,7 @@ def trainer(workdir: str, tp: int, model: str = "dsv3") -> None:
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
+    from colocated_e2e import COLOCATED, TrainerSide, write_records
     from megatron_refit_worker import perturb_replicated
 
     from mcore_reshard import export_hf
@@ -130,14 +137,21 @@ def trainer(workdir: str, tp: int, model: str = "dsv3") -> None:
         with torch.no_grad():
             for t, v in zip(live, versions[version]):
                 t.copy_(v)
-        if name not in resharders:
-            g = join_group(_group(workdir, name), TRAINERS + tp, rank, timeout_s=600)
-            # the backend's defaults ignore tensors the engine does not serve; the extension's do not
-            resharders[name] = _join(g, m["plan"], src=src, src_tensors=tensors,
-                                     ignore_unused=GROUPS[name]["path"] == "backend", timeout=600)
+        # the backend's defaults ignore tensors the engine does not serve; the extension's do not
+        join = (lambda g, name=name, **kw: _join(g, m["plan"], ignore_unused=GROUPS[name]["path"] == "backend",
+                                                 timeout=600, **kw))
+        if name not in resharders and name in COLOCATED:
+            resharders[name] = TrainerSide(workdir, name, tp, rank, src, tensors, join, _group(workdir, name))
+        elif name not in resharders:
+            resharders[name] = join(join_group(_group(workdir, name), TRAINERS + tp, rank, timeout_s=600),
+                                    src=src, src_tensors=tensors)
         if GROUPS[name]["mode"] == "shadow":      # the engine generates once with the transfer in flight first
             wait_for(os.path.join(workdir, f"shadow-go-{step}"))
         resharders[name].refit(step)
+    write_records(workdir, rank, {n: r for n, r in resharders.items() if n in COLOCATED})
+    for n in COLOCATED:
+        if n in resharders:
+            resharders[n].close()
     if not m["refuse_replaced"]:
         dist.barrier()
         return
@@ -236,6 +250,12 @@ def drain_responses(llm) -> int:
 
 def _backend_reports(worker) -> list:
     return list(worker.weight_transfer_engine.reports)
+
+
+def _colocated_facts(worker, path: str) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from colocated_e2e import worker_facts
+    return worker_facts(worker, path)
 
 
 def _backend_state(worker) -> dict:
@@ -358,14 +378,22 @@ class Engine:
     def rpc(self, method, **kw):
         return self.llm.collective_rpc(method, **kw)
 
-    def backend_init(self, name: str, world: int, rank_offset: int, timeout_s: float = 600.0) -> None:
+    def backend_init(self, name: str, world: int, rank_offset: int, timeout_s: float = 600.0, **kw) -> None:
         self.rpc("init_weight_transfer_engine", kwargs={"init_info": {
             "init_method": _group(self.workdir, name), "world_size": world, "rank_offset": rank_offset,
-            "timeout_s": timeout_s, "refit_mode": GROUPS[name]["mode"], **self.m["plan"]}})
+            "timeout_s": timeout_s, "refit_mode": GROUPS[name]["mode"], **self.m["plan"], **kw}})
+
+    def group_args(self, name: str) -> dict:
+        """World size, rank offset and (colocated groups) the workers' ``colocated`` entries."""
+        from colocated_e2e import COLOCATED, group_args
+        if name in COLOCATED:
+            return group_args(self.workdir, name, self.tp)
+        return {"world_size": self.world, "rank_offset": TRAINERS}
 
     def backend(self, name: str, step: int, rec: dict) -> None:
         if name not in self.joined:
-            self.backend_init(name, self.world, TRAINERS)
+            a = self.group_args(name)
+            self.backend_init(name, a.pop("world_size"), a.pop("rank_offset"), **a)
             self.joined.add(name)
         t = time.monotonic()
         self.rpc("start_weight_update")
@@ -395,7 +423,9 @@ class Engine:
 
     def extension(self, name: str, step: int, rec: dict) -> None:
         if name not in self.joined:
-            self.rpc("mcore_reshard_join", args=(_group(self.workdir, name), self.world, TRAINERS, 600.0))
+            a = self.group_args(name)
+            self.rpc("mcore_reshard_join", args=(_group(self.workdir, name), a.pop("world_size"), a.pop("rank_offset"),
+                                                 600.0), kwargs=a)
             rec["prepare"] = self.rpc("mcore_reshard_prepare", kwargs={"refit_mode": GROUPS[name]["mode"],
                                                                        **self.m["plan"]})
             self.joined.add(name)
@@ -461,6 +491,8 @@ def _engine(workdir: str, tp: int, model: str, m: dict, k: dict | None, proc) ->
         if peak:
             e.rpc(_reset_peak)
         getattr(e, GROUPS[name]["path"])(name, step, rec)
+        if m["killed"] is not None:      # the dsv3 test: what each group's processes see (colocated_e2e)
+            rec["facts"] = e.rpc(_colocated_facts, args=(GROUPS[name]["path"],))
         if peak:
             rec["peak"] = e.rpc(_peak)
         if m["engine"].get("enable_prefix_caching"):
@@ -578,7 +610,8 @@ def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.
     return {"tp": tp, "engine": load(f"engine-tp{tp}.json"),
             "reference": {v: load(f"reference-tp{tp}-{v}.json") for v in ("v1", "v2")},
             "trainer_refusal": [load(f"trainer-refusal-rank{r}.json") for r in range(TRAINERS)]
-            if MODELS[model]["refuse_replaced"] else None}
+            if MODELS[model]["refuse_replaced"] else None,
+            "trainer_groups": [load(f"trainer-groups-rank{r}.json") for r in range(TRAINERS)]}
 
 
 def main() -> None:

@@ -339,6 +339,17 @@ def _join_args(tmp):
            [("init_method", k, v) for k, v in {"none": None, "int": 3}.items()]
 
 
+def _colocated_args(tmp):
+    """Bad ``colocated=`` values for a one-worker engine (refused before any rendezvous or accept)."""
+    sock = f"{tmp}/pair.sock"
+    return {"string": sock, "int": 3, "missing_device": {"channel": sock}, "unknown_key":
+            {"channel": sock, "device": "cpu:0", "nope": 1}, "empty_device": {"channel": sock, "device": ""},
+            "device_int": {"channel": sock, "device": 0}, "long_channel": {"channel": "/tmp/" + "x" * 200,
+                                                                            "device": "cpu:0"},
+            "list_too_long": [{"channel": sock, "device": "cpu:0"}, None], "list_entry_int": [3],
+            "list_entry_no_channel": [{"device": "cpu:0"}]}
+
+
 def engine_cases(tmp: str) -> list[Case]:
     from mcore_reshard.integrations import sglang_loader as S
     from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
@@ -353,6 +364,10 @@ def engine_cases(tmp: str) -> list[Case]:
     for arg, kind, v in _join_args(tmp):
         a = {"init_method": url, "world_size": 2, "rank_offset": 0, "timeout_s": 2.0, arg: v}
         out.append(Case("vllm worker mcore_reshard_join", arg, kind, True, lambda a=a: Ext().mcore_reshard_join(**a)))
+    for kind, v in _colocated_args(tmp).items():
+        a = {"init_method": url, "world_size": 2, "rank_offset": 0, "timeout_s": 2.0, "colocated": v}
+        out.append(Case("vllm worker mcore_reshard_join", "colocated", kind, True,
+                        lambda a=a: Ext().mcore_reshard_join(**a), strict=True))
     out.append(Case("vllm worker mcore_reshard_prepare", "-", "before_join", True, lambda: Ext().mcore_reshard_prepare()))
     out.append(Case("vllm worker mcore_reshard_refit", "-", "before_prepare", True, lambda: Ext().mcore_reshard_refit()))
     out.append(Case("vllm worker mcore_reshard_state", "-", "before_join", False, lambda: Ext().mcore_reshard_state()))
@@ -384,6 +399,9 @@ def engine_cases(tmp: str) -> list[Case]:
         out.append(Case("vllm backend init_transfer_engine", "refit_mode", kind, True, init(refit_mode=v)))
     for kind, v in {"nan": math.nan, "negative": -1, "string": "8", "tiny": 16}.items():
         out.append(Case("vllm backend init_transfer_engine", "window_bytes", kind, True, init(window_bytes=v)))
+    for kind, v in _colocated_args(tmp).items():
+        out.append(Case("vllm backend init_transfer_engine", "colocated", kind, True, init(colocated=v), strict=True))
+    out += _trainer_cases(tmp, url)
     out.append(Case("vllm backend start_weight_update", "-", "before_init", True,
                     lambda: Engine(None, w.vllm_config, "cpu", w.model_runner.model).start_weight_update()))
 
@@ -482,6 +500,69 @@ def judge_cli(o: dict, option: str) -> str:
     name = option.lstrip("-")
     named = option in o["stderr"] or name in o["stderr"] or name.replace("-", "_") in o["stderr"]
     return "refused" if o["code"] == 2 and named else "DEFECT"
+
+
+def trainer_module():
+    """``integrations.vllm_transfer_trainer`` over stand-in vLLM base classes (no vLLM here)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class InitBase:
+        rank: int = dataclasses.field(default=0, kw_only=True)
+        is_sender: bool = dataclasses.field(default=True, kw_only=True)
+
+    class EngineBase:
+        def __init__(self, client=None, source=None, is_sender=True, rank=0):
+            self.client, self.source, self.is_sender, self.rank = client, source, is_sender, rank
+    names = {"TrainerInitInfo": InitBase, "TrainerWeightTransferEngine": EngineBase, "WeightSource": object,
+             "ParamMeta": tuple}
+    return _module_over("mcore_reshard.integrations.vllm_transfer_trainer", names)
+
+
+def _trainer_cases(tmp: str, url: str) -> list[Case]:
+    """The trainer engine's ``colocated`` / ``engine_colocated``: refused before the client is called
+    or anything is joined."""
+    mod = trainer_module()
+
+    class Client:       # any call reaching it is a defect: the bad value was not refused first
+        def __getattr__(self, name):
+            raise AssertionError(f"client.{name} called with a bad value")
+    source = types.SimpleNamespace(layout=None, tensors={}, rank=0)
+    out = []
+    for arg in ("colocated", "engine_colocated"):
+        for kind, v in _colocated_args(tmp).items():
+            if arg == "colocated" and kind.startswith("list"):
+                v = [v]          # this rank's own pair: a dict, never a list
+            if arg == "engine_colocated" and kind == "list_too_long":     # the trainer cannot count the workers
+                kind, v = "list_same_device", [v[0], {"channel": f"{tmp}/other.sock", "device": "cpu:0"}]
+            info = mod.McoreReshardTrainerInitInfo(init_method=url, world_size=2, rank=0, **{arg: v})
+            out.append(Case("vllm trainer trainer_init", arg, kind, True,
+                            lambda info=info: mod.McoreReshardTrainerWeightTransferEngine.trainer_init(
+                                info, client=Client(), source=source), strict=True))
+    return out
+
+
+def _module_over(name: str, stand_ins: dict):
+    """Module ``name`` imported over stand-ins for ``vllm.distributed.weight_transfer.base``'s classes
+    (vLLM is not installed here), then forgotten again so that no other test sees them."""
+    import importlib
+    import sys
+    fake = types.ModuleType("vllm.distributed.weight_transfer.base")
+    for k, v in stand_ins.items():
+        setattr(fake, k, v)
+    parents = ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer")
+    saved = {n: sys.modules.get(n) for n in (*parents, fake.__name__, name)}
+    sys.modules.update({n: types.ModuleType(n) for n in parents if n not in sys.modules})
+    sys.modules[fake.__name__] = fake
+    sys.modules.pop(name, None)
+    try:
+        return importlib.import_module(name)
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
 
 
 def _engine_module_over(Base, InitBase, UpdateBase):
