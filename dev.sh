@@ -87,15 +87,14 @@ setup() {
 }
 
 # The core (layouts, planner, executor) needs only torch and works on Python >= 3.10: check it on
-# the machine's default Python 3.11 with the CPU torch wheel, without megatron-core (the executor's pipeline and
-# fault-injection suites, Python-version independent and the slowest, run in the Python 3.12 job only).
-CORE_TESTS="tests/test_layers.py tests/core/test_box.py tests/core/test_dtensor.py tests/core/test_layout_sharing.py
-  tests/core/planner/test_planner_properties.py tests/core/planner/test_planner_cases.py
-  tests/core/planner/test_planner_templates.py tests/core/planner/test_planner_topology.py
-  tests/core/planner/test_planner_roundfill.py tests/core/planner/test_planner_cfit.py tests/core/planner/test_fp8.py
-  tests/core/planner/test_adversarial_plans.py tests/core/planner/test_adversarial_templated.py
-  tests/core/executor/test_executor_multiproc.py tests/core/executor/test_adversarial_misuse.py
-  tests/mapper/test_family_rules.py tests/targets/test_targets.py tests/integrations/test_dtensor_reshard.py
+# the machine's default Python 3.11 with the CPU torch wheel, without megatron-core: one file per part (layouts,
+# planner, first fit, FP8 plans, executor over gloo, family tables, targets, CLI); the property-based,
+# adversarial, pipeline and fault-injection suites, Python-version independent and the slowest, run in the
+# Python 3.12 job only.
+CORE_TESTS="tests/test_layers.py tests/core/test_box.py tests/core/test_layout_sharing.py
+  tests/core/planner/test_planner_cases.py tests/core/planner/test_planner_roundfill.py
+  tests/core/planner/test_planner_cfit.py tests/core/planner/test_fp8.py tests/core/planner/test_adversarial_plans.py
+  tests/core/executor/test_executor_multiproc.py tests/mapper/test_family_rules.py tests/targets/test_targets.py
   tests/tools/test_cli.py"
 core311() {
   local venv=${VENV}-py311

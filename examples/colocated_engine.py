@@ -257,12 +257,13 @@ def run(tp: int, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("role", nargs="?", default="run", choices=("run", "trainer", "engine", "reference"))
-    ap.add_argument("workdir", nargs="?")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("role", nargs="?", default="run", choices=("run", "trainer", "engine", "reference"),
+                    help="run (default): the whole example; trainer / engine / reference: the processes it starts")
+    ap.add_argument("workdir", nargs="?", help="where the processes exchange files (default: a fresh temporary one)")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2), help="engine tensor-parallel size (default 1)")
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--version", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=0, help="(trainer) this trainer rank")
+    ap.add_argument("--version", type=int, default=1, help="(reference) the weights' version to load fresh")
     a = ap.parse_args(argv)
     if a.role == "trainer":
         trainer(a.workdir, a.rank, a.tp)
