@@ -38,6 +38,7 @@ its parameters are all written directly.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -326,7 +327,7 @@ def _process(modules: list, attention: list, models: list, model_config, device,
     for rec, raw in modules:
         rec.module._parameters.update(raw)
     forced = [rec.name for rec, _ in modules if _force_first_load(rec.module)]
-    with torch.no_grad():
+    with torch.no_grad(), _default_dtype(getattr(model_config, "dtype", None)):
         try:
             process_weights_after_loading(_Only([rec.module for rec, _ in modules] + attention), model_config, device)
             for model in models:
@@ -345,6 +346,22 @@ def _process(modules: list, attention: list, models: list, model_config, device,
         copied = _release([m for m, _ in kernels], scratch) if scratch is not None else []
     return {"reprocessed": len(modules), "attention": len(attention), "first_load_branch": forced,
             "replaced": replaced, "copied_out": copied}
+
+
+@contextmanager
+def _default_dtype(dtype):
+    """torch's default dtype set to the model's, as vLLM's loader has it while it processes the weights
+    (what processing creates with the default dtype -- AMX MLA's emptied ``kv_b_proj.weight`` --
+    then matches a fresh load's); ``None``: left as it is."""
+    if not isinstance(dtype, torch.dtype):
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class _Only(torch.nn.Module):
