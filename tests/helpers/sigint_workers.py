@@ -11,7 +11,9 @@ destinations are bit-exact for the phase, and whether every buffer holds what it
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import dis
 import os
 import signal
 import sys
@@ -67,18 +69,28 @@ def _interrupted(call, offset: float) -> dict:
 
 
 _TRACED = ("mcore_reshard", "distributed_c10d.py", "contextlib.py")
+_primed = False
 
 
-class _OpcodeTrap:
+class OpcodeTrap:
     """Counts the bytecode instructions executed in the library's frames (and torch.distributed's
     and contextlib's Python code); with ``at``, raises KeyboardInterrupt at instruction ``at`` --
-    where a SIGINT arriving just then would surface (a superset of the signal's checkpoints)."""
+    where a SIGINT arriving just then would surface.  Every instruction (a superset of where a
+    signal can surface), or with ``signal_points`` only where CPython runs a pending signal's
+    handler: at ``RESUME`` (a function's start, after a ``yield``), ``JUMP_BACKWARD`` and right after
+    a ``CALL`` (counted after any call; the interpreter checks after calls into C)."""
 
-    def __init__(self, at: int | None = None):
-        self.at, self.n, self.fired = at, 0, None
+    def __init__(self, at: int | None = None, signal_points: bool = False):
+        self.at, self.n, self.fired, self.signal_points = at, 0, None, signal_points
+        self.prev: dict = {}
 
     def _local(self, frame, event, arg):
         if event == "opcode":
+            if self.signal_points:
+                op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+                prev, self.prev[id(frame)] = self.prev.get(id(frame), ""), op
+                if op not in ("RESUME", "JUMP_BACKWARD") and not prev.startswith("CALL"):
+                    return self._local
             self.n += 1
             if self.at is not None and self.n == self.at and self.fired is None:
                 self.fired = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
@@ -92,6 +104,10 @@ class _OpcodeTrap:
         return None
 
     def run(self, call):
+        global _primed
+        if not _primed:     # CPython 3.12: a process's first opcode tracing emits no opcode events
+            _primed = True
+            OpcodeTrap().run(lambda: contextlib.nullcontext().__enter__())
         sys.settrace(self._global)
         try:
             return call()
@@ -101,7 +117,7 @@ class _OpcodeTrap:
 
 def _trapped(call, at: int) -> dict:
     """``call()`` with KeyboardInterrupt raised at its ``at``-th traced instruction."""
-    trap = _OpcodeTrap(at)
+    trap = OpcodeTrap(at)
     o: dict = {"type": None}
     try:
         o["result"] = trap.run(call)
@@ -119,7 +135,7 @@ def sigint_trials(rank: int, world: int, trials: list, T: float, scale: int = 4,
                   group_timeout: float | None = None) -> list:
     """``trials``: ``(fraction, explicit, wait[, how])`` each: the SIGINT lands ``fraction`` of a refit's
     duration (measured on the victim just before) into refit 2 (``how="opcode"``: KeyboardInterrupt
-    at that fraction of the instructions the victim ran in a refit, :class:`_OpcodeTrap`); ``explicit``: versions passed
+    at that fraction of the instructions the victim ran in a refit, :class:`OpcodeTrap`); ``explicit``: versions passed
     (1, 2, 2, 3) or None; ``wait``: every rank waits (WORLD barrier) for the others before the retry
     (else each retries at once, as it gets control back).  Every wait is bounded by ``T`` s: the
     groups' own timeout, or ``Resharder(timeout=T)`` on groups of ``group_timeout`` s (then a
@@ -140,7 +156,7 @@ def sigint_trials(rank: int, world: int, trials: list, T: float, scale: int = 4,
         t0 = time.monotonic()
         r.refit(1 if explicit else None)
         t1 = time.monotonic()
-        counter = _OpcodeTrap()
+        counter = OpcodeTrap()
         if how == "opcode" and rank == VICTIM:
             counter.run(lambda: r.refit(1 if explicit else None))
         else:
