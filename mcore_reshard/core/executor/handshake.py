@@ -376,28 +376,37 @@ def refit_start(group, *, rank: int, digest: str, token: int, proposal: int, exp
     return wanted[0] if wanted else max(m["version"] for m in msgs)
 
 
-_LOCKS: dict[int, tuple[threading.Lock, list]] = {}
-_LOCKS_GUARD = threading.Lock()
+class _Claim:
+    """A Resharder operation holding a process group in this process (:func:`group_guard`): the
+    object itself is the claim, ``thread`` names who holds it."""
+    __slots__ = ("thread",)
+
+    def __init__(self, thread: str):
+        self.thread = thread
+
+
+_CLAIMS: dict[int, _Claim] = {}     # id(process group) -> the operation holding it
 
 
 @contextlib.contextmanager
 def group_guard(group, rank: int, what: str):
     """One Resharder operation at a time per process group in this process: a second thread
     that tries (a refit, handshake or rebind over the same group) gets :class:`ReshardError` at
-    once instead of interleaving its messages with the first one's (gloo aborts the process)."""
-    pg = group if group is not None else dist.group.WORLD
-    with _LOCKS_GUARD:
-        lock, holder = _LOCKS.setdefault(id(pg), (threading.Lock(), [None]))
-    acquired = False
-    try:     # a KeyboardInterrupt anywhere in here still releases the lock (else the group is refused forever)
-        acquired = lock.acquire(blocking=False)
-        if not acquired:
-            raise ReshardError(f"rank {rank}: cannot {what}: thread {holder[0]!r} is running a refit or handshake "
+    once instead of interleaving its messages with the first one's (gloo aborts the process).
+
+    A KeyboardInterrupt (SIGINT) landing anywhere in here never leaves the group claimed: the
+    claim is one atomic ``dict.setdefault`` inside the ``try`` (this operation holds the group iff
+    its own claim object is stored), and the release has no call in it (CPython runs a signal's
+    handler only at calls, function starts and backward jumps)."""
+    key = id(group if group is not None else dist.group.WORLD)
+    me = _Claim(threading.current_thread().name)
+    try:
+        holder = _CLAIMS.setdefault(key, me)
+        if holder is not me:
+            raise ReshardError(f"rank {rank}: cannot {what}: thread {holder.thread!r} is running a refit or handshake "
                                "over the same process group in this process; Resharders sharing a group must run one "
                                "after another (use one thread, or a group per thread)")
-        holder[0] = threading.current_thread().name
         yield
     finally:
-        if acquired:
-            lock.release()
-            holder[0] = None
+        if key in _CLAIMS and _CLAIMS[key] is me:
+            del _CLAIMS[key]

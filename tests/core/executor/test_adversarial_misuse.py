@@ -299,3 +299,39 @@ def test_group_guard_released_after_an_interrupt_inside_it(monkeypatch):
         with pytest.raises(ReshardError, match="same process group"):
             with handshake.group_guard(group, 0, "refit"):
                 pass
+
+
+def test_group_guard_never_left_claimed_by_a_sigint():
+    """A KeyboardInterrupt at each point of entering and leaving a guarded block where CPython runs a
+    SIGINT's handler (calls, function starts, after a ``yield``: ``OpcodeTrap(signal_points=True)``),
+    one point per try: the group is free afterwards.  It used to stay claimed when the interrupt
+    surfaced right after the per-group lock was taken, before the guard recorded it ('thread None is
+    running a refit': every later refit / rebind over that group in the process refused)."""
+    from sigint_workers import OpcodeTrap
+
+    from mcore_reshard.core.executor import ReshardError, handshake
+    groups = [object()]
+
+    def guarded():
+        with handshake.group_guard(groups[-1], 0, "refit"):
+            return 1
+
+    count = OpcodeTrap(signal_points=True)
+    count.run(guarded)
+    assert count.n >= 5, count.n
+    left_claimed = []
+    for at in range(1, count.n + 1):
+        groups.append(object())
+        trap = OpcodeTrap(at, signal_points=True)
+        with pytest.raises(KeyboardInterrupt):
+            trap.run(guarded)
+        try:
+            with handshake.group_guard(groups[-1], 0, "refit"):
+                pass
+        except ReshardError as e:
+            left_claimed.append((at, trap.fired, str(e)[:120]))
+    assert not left_claimed, left_claimed
+    with handshake.group_guard(groups[-1], 0, "refit"):     # a second operation is still refused
+        with pytest.raises(ReshardError, match="same process group"):
+            with handshake.group_guard(groups[-1], 0, "refit"):
+                pass
