@@ -15,6 +15,7 @@ from partial_launch import _preload
 
 from mcore_reshard.colocate import ColocatedTrainer, accept_trainer, check_colocated
 from mcore_reshard.core.devices import DeviceMap
+from mcore_reshard.core.executor.errors import ReshardError
 from mcore_reshard.core.executor.local_channel import ChannelBusy, Listener
 from mcore_reshard.tools.launch import launch
 
@@ -121,11 +122,11 @@ def test_bad_trainer_arguments_are_refused_before_connecting(tmp_path):
     with pytest.raises(TypeError, match="layout="):
         ColocatedTrainer({}, tensors, **kw)
     sparse = dict(tensors, W=tensors["W"].to_sparse())
-    with pytest.raises(Exception, match="only strided CPU / CUDA tensors"):
+    with pytest.raises(ReshardError, match="only strided CPU / CUDA tensors"):
         ColocatedTrainer(part, sparse, **kw)
-    with pytest.raises(Exception, match="was not listening"):
+    with pytest.raises(ReshardError, match="was not listening"):
         ColocatedTrainer(part, tensors, **kw)
-    with pytest.raises(Exception, match="did not connect"):
+    with pytest.raises(ReshardError, match="did not connect"):
         accept_trainer(str(tmp_path / "w.sock"), device="a", rank=0, timeout=0.3)
     assert torch.equal(tensors["W"], cw.rank_tensors(2, 0, 1)["W"])
 
