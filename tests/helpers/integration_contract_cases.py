@@ -566,24 +566,7 @@ def _module_over(name: str, stand_ins: dict):
 
 
 def _engine_module_over(Base, InitBase, UpdateBase):
-    """``integrations.vllm_transfer_engine`` imported over stand-in vLLM base classes (vLLM is not
-    installed here), then forgotten again so that no other test sees the stand-ins."""
-    import importlib
-    import sys
-    import types
-    name = "mcore_reshard.integrations.vllm_transfer_engine"
-    fake = types.ModuleType("vllm.distributed.weight_transfer.base")
-    fake.WeightTransferEngine, fake.WeightTransferInitInfo, fake.WeightTransferUpdateInfo = Base, InitBase, UpdateBase
-    parents = ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer")
-    saved = {n: sys.modules.get(n) for n in (*parents, fake.__name__, name)}
-    sys.modules.update({n: types.ModuleType(n) for n in parents if n not in sys.modules})
-    sys.modules[fake.__name__] = fake
-    sys.modules.pop(name, None)
-    try:
-        return importlib.import_module(name)
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
+    """``integrations.vllm_transfer_engine`` imported over stand-in vLLM base classes (:func:`_module_over`)."""
+    return _module_over("mcore_reshard.integrations.vllm_transfer_engine",
+                        {"WeightTransferEngine": Base, "WeightTransferInitInfo": InitBase,
+                         "WeightTransferUpdateInfo": UpdateBase})

@@ -107,8 +107,8 @@ def export_tensors(tensors: Mapping[str, torch.Tensor]) -> Export:
                 torch.cuda.synchronize(t.device)
                 handle = st._share_cuda_()
                 storages.append(StorageRecord(index, str(t.device), st.nbytes(), cuda_handle=[_hexable(x) for x in handle]))
-            by_ptr[(str(t.device), st.data_ptr())] = index
-            key = (str(t.device), st.data_ptr())
+            key = (str(t.device), st.data_ptr())    # on a CPU the storage's memory moved into shared memory
+            by_ptr[key] = index
         views.append(ViewRecord(name, by_ptr.get(key, -1), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                                 dtype_name(t.dtype)))
     return Export(storages, views, fds, {n: _pointer(tensors[n]) for n in tensors})
