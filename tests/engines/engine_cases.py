@@ -1,4 +1,4 @@
-"""The real-engine cases (one torchrun launch of 4 ranks per engine and mode runs them all)."""
+"""The real-engine cases (one launch of 4 ranks per engine and mode runs them all)."""
 
 VLLM_LAYOUTS = [
     {"id": "dsv3-tp1", "model": "dsv3", "par": {"tp": 1}},

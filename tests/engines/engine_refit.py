@@ -1,6 +1,6 @@
 """Live refit into a REAL engine model, in the engine's venv (megatron-core installed beside it).
 
-    torchrun --nproc-per-node 4 tests/engines/engine_refit.py vllm|sglang refit JOB.json OUT_DIR
+    tests/engines/engine_refit.py vllm|sglang refit JOB.json OUT_DIR    (four ranks, by rank_launch.run_ranks)
 
 Ranks 0-1 are the trainer: a Megatron-Core DeepSeek-V3-style model (``mcore_cpu.build_dsv3_tiny``, TP2
 with EP2 / expert-TP 1) on its own gloo world.  Ranks 2-3 are the engine: the engine's real model class
@@ -34,6 +34,7 @@ if ENGINE == "vllm":
 import engine_models  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rank_launch import install_stack_dump, rendezvous  # noqa: E402
 
 TRAINERS = 2
 
@@ -84,7 +85,7 @@ def hf_export(chunks, cfg: dict) -> dict:
 
 # ----------------------------------------------------------------------------------- trainer
 
-def trainer(rank: int, port: int, out: str, cases: list) -> dict:
+def trainer(rank: int, out: str, cases: list) -> dict:
     # SGLang's venv ships flash_mla (CUDA-only: dlopen fails with OSError, which Megatron-Core's optional
     # ``from flash_mla import ...`` does not catch): make it a plain missing module for the trainer.
     sys.modules.setdefault("flash_mla", None)
@@ -93,11 +94,11 @@ def trainer(rank: int, port: int, out: str, cases: list) -> dict:
     from mcore_reshard.integrations.protocol import join_group, join_refit, megatron_source
     from mcore_reshard.targets import from_hf_config, hf_layout
     from mcore_reshard.testing import megatron_cpu as mcore_cpu
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 1}", world_size=TRAINERS, rank=rank)
+    dist.init_process_group("gloo", init_method=rendezvous("trainers"), world_size=TRAINERS, rank=rank)
     mcore_cpu.init_megatron(tp=2, ep=2, etp=1)
     chunks = mcore_cpu.build_dsv3_tiny(dtype=torch.float32, mtp=True)
     cfg = megatron_hf_config()
-    g = join_group(f"tcp://127.0.0.1:{port + 3}", 4, rank, timeout_s=300)
+    g = join_group(rendezvous("refit"), 4, rank, timeout_s=300)
     rep = {"role": "trainer", "errors": []}
     for step, case in enumerate(cases, start=1):
         perturb_replicated(chunks, step)
@@ -143,7 +144,7 @@ def trainer(rank: int, port: int, out: str, cases: list) -> dict:
                 def reset_prefix_cache(self):
                     calls.append(("reset_prefix_cache",))
             info = vllm_transfer.McoreReshardTrainerInitInfo(
-                init_method=f"tcp://127.0.0.1:{port + 4}", world_size=4, trainer_ranks=TRAINERS, rank=rank)
+                init_method=rendezvous("backend"), world_size=4, trainer_ranks=TRAINERS, rank=rank)
             src = vllm_transfer.MegatronSource(chunks, rank)
             eng = WeightTransferTrainerFactory.trainer_init(info, client=Client(), source=src)
             rep["prefix_cache_reset"] = eng.send_weights(version=step).get("prefix_cache_reset")  # the sender only
@@ -193,15 +194,14 @@ def compare_derived(model, ref_model) -> tuple[dict, list[str]]:
     return counts, errs
 
 
-def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
+def vllm_engine(rank: int, out: str, cases: list) -> dict:
     from types import SimpleNamespace
 
     import engine_worker
 
     from mcore_reshard.integrations.vllm_worker import McoreReshardWorkerExtension
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 2), RANK=str(rank - TRAINERS),
-                      WORLD_SIZE=str(TRAINERS), LOCAL_RANK=str(rank - TRAINERS))
-    eng = engine_worker.VllmEngine(rank - TRAINERS, TRAINERS, f"tcp://127.0.0.1:{port + 2}")
+    os.environ.update(RANK=str(rank - TRAINERS), WORLD_SIZE=str(TRAINERS), LOCAL_RANK=str(rank - TRAINERS))
+    eng = engine_worker.VllmEngine(rank - TRAINERS, TRAINERS, rendezvous("engines"))
     cfg = megatron_hf_config()
     vc = eng.config(cfg, {"tp": 2}, "dsv3_megatron")
     model = eng.build(vc)
@@ -215,7 +215,7 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
     w.vllm_config, w.model_runner, w.rank = vc, SimpleNamespace(model=model), rank - TRAINERS
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     rep = {"role": "engine", "errors": [], "checked": 0, "steps": []}
-    w.mcore_reshard_join(f"tcp://127.0.0.1:{port + 3}", 4, TRAINERS, 300.0)
+    w.mcore_reshard_join(rendezvous("refit"), 4, TRAINERS, 300.0)
     for step, case in enumerate(cases, start=1):
         kind = case["kind"]
         if kind in ("megatron", "hf_rank0"):
@@ -229,7 +229,7 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
             vllm_transfer.register()
             wt = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="mcore_reshard"), vc,
                                                            torch.device("cpu"), model)
-            info = {"init_method": f"tcp://127.0.0.1:{port + 4}", "world_size": 4, "rank_offset": TRAINERS,
+            info = {"init_method": rendezvous("backend"), "world_size": 4, "rank_offset": TRAINERS,
                     "post_load": "none"}
             wt.init_transfer_engine(wt.parse_init_info(info))   # what the worker does on init_weight_transfer_engine
             wt.start_weight_update()
@@ -270,13 +270,12 @@ def vllm_engine(rank: int, port: int, out: str, cases: list) -> dict:
     return rep
 
 
-def sglang_engine(rank: int, port: int, out: str, cases: list) -> dict:
+def sglang_engine(rank: int, out: str, cases: list) -> dict:
     import sglang_worker
 
     from mcore_reshard.integrations import sglang_loader
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 2), RANK=str(rank - TRAINERS),
-                      WORLD_SIZE=str(TRAINERS), LOCAL_RANK=str(rank - TRAINERS))
-    eng = sglang_worker.SGLangEngine(rank - TRAINERS, TRAINERS, f"tcp://127.0.0.1:{port + 2}")
+    os.environ.update(RANK=str(rank - TRAINERS), WORLD_SIZE=str(TRAINERS), LOCAL_RANK=str(rank - TRAINERS))
+    eng = sglang_worker.SGLangEngine(rank - TRAINERS, TRAINERS, rendezvous("engines"))
     cfg = megatron_hf_config()
     par = {"tp": 2}
     model = eng.build(cfg, par, "dsv3_megatron")
@@ -285,7 +284,7 @@ def sglang_engine(rank: int, port: int, out: str, cases: list) -> dict:
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     rep = {"role": "engine", "errors": [], "checked": 0, "steps": []}
     s = sglang_loader.session()
-    sglang_loader.load(model, [sglang_loader.command("join", init_method=f"tcp://127.0.0.1:{port + 3}", world_size=4,
+    sglang_loader.load(model, [sglang_loader.command("join", init_method=rendezvous("refit"), world_size=4,
                                                      rank_offset=TRAINERS, **{"raise": True})])
     for step, case in enumerate(cases, start=1):
         kind = case["kind"]
@@ -313,7 +312,7 @@ def sglang_engine(rank: int, port: int, out: str, cases: list) -> dict:
 def main() -> None:
     engine, _mode, job, out = sys.argv[1:5]
     rank = int(os.environ["RANK"])
-    port = int(os.environ["MASTER_PORT"])
+    install_stack_dump()
     with open(job) as f:
         cases = json.load(f)
     os.makedirs(out, exist_ok=True)
@@ -323,9 +322,9 @@ def main() -> None:
         os.environ.pop(k, None)
     try:
         if rank < TRAINERS:
-            rep = trainer(rank, port, out, cases)
+            rep = trainer(rank, out, cases)
         else:
-            rep = (vllm_engine if engine == "vllm" else sglang_engine)(rank, port, out, cases)
+            rep = (vllm_engine if engine == "vllm" else sglang_engine)(rank, out, cases)
     except Exception as e:  # noqa: BLE001
         rep = {"errors": [f"{type(e).__name__}: {e}"], "traceback": traceback.format_exc()[-4000:]}
     rep["seconds"] = round(time.monotonic() - t0, 1)

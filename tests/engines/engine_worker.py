@@ -1,7 +1,7 @@
-"""Runs inside an engine's venv (``.venv-vllm`` / ``.venv-sglang``) under torchrun: the engine's REAL
-model classes and ``load_weights`` on CPU over gloo, checked against the library's layouts.
+"""Runs inside an engine's venv (``.venv-vllm`` / ``.venv-sglang``) as four ranks (``rank_launch``):
+the engine's REAL model classes and ``load_weights`` on CPU over gloo, checked against the library's layouts.
 
-    torchrun --nproc-per-node 4 tests/engines/engine_worker.py vllm layouts JOB.json OUT_DIR
+    tests/engines/engine_worker.py vllm layouts JOB.json OUT_DIR    (four ranks, by rank_launch.run_ranks)
 
 ``JOB.json``: a list of cases ``{"id", "model" (engine_models.MODELS), "par": {...}, "probe": bool}``.
 One process import (15-40 s) serves every case: the engine's model-parallel state is rebuilt per case
@@ -30,6 +30,7 @@ if ENGINE == "vllm":
 import engine_models  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rank_launch import install_stack_dump, rendezvous  # noqa: E402
 
 SENTINEL = 4242.0     # parameters start as this: a loader that leaves an element alone is seen
 
@@ -208,13 +209,14 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with open(job) as f:
         cases = json.load(f)
+    install_stack_dump()
     t0 = time.monotonic()
     if engine == "vllm":
-        eng = VllmEngine(rank, world)
+        eng = VllmEngine(rank, world, rendezvous("world"))
         run = {"layouts": vllm_layout_case}[mode]
     else:
         import sglang_worker
-        eng = sglang_worker.SGLangEngine(rank, world)
+        eng = sglang_worker.SGLangEngine(rank, world, rendezvous("world"))
         run = {"layouts": sglang_worker.layout_case}[mode]
     setup_s = time.monotonic() - t0
     results = {"_setup_s": round(setup_s, 1)}

@@ -1,9 +1,9 @@
 """The real engines in the loop: vLLM 0.33.0 and SGLang 0.5.23 model classes and loaders on CPU.
 
 ``./dev.sh test`` creates ``.venv-vllm`` / ``.venv-sglang`` (once, cached); each launch below runs
-``tests/engines/engine_worker.py`` (or ``engine_refit.py``) under the engine venv's torchrun, four gloo
-ranks, many cases per launch (an engine import costs 15-40 s).  Without an engine venv the tests
-skip, except under CI (``CI=true``, or ``MCORE_RESHARD_REQUIRE_ENGINES=1`` as ``.ci/run`` sets), where a
+``tests/engines/engine_worker.py`` (or ``engine_refit.py``) as four gloo ranks of the engine venv's
+Python (``rank_launch``: file-store rendezvous), many cases per launch (an engine import costs 15-40 s).
+Without an engine venv the tests skip, except under CI (``CI=true``, or ``MCORE_RESHARD_REQUIRE_ENGINES=1`` as ``.ci/run`` sets), where a
 missing engine venv fails.
 
 * layouts: the engine's real model built from a ``config.json``, a random HF checkpoint loaded by
@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
 
 import engine_cases
 import pytest
+from rank_launch import run_ranks
 from repo_paths import ENGINES_DIR, ROOT
 
 VENVS = {"vllm": os.path.join(ROOT, ".venv-vllm"), "sglang": os.path.join(ROOT, ".venv-sglang")}
 IN_CI = (os.environ.get("CI", "").lower() in ("1", "true", "yes")
          or os.environ.get("MCORE_RESHARD_REQUIRE_ENGINES", "") == "1")
-# a launch is bounded by its own timeout (killed whole, launched once more): the fixture may take two
+# a launch is bounded by its own timeout (killed whole, with every rank's stack in the failure)
 pytestmark = [pytest.mark.engines, pytest.mark.multiproc, pytest.mark.timeout(1500)]
 
 
@@ -68,40 +65,26 @@ def _partial(path: str) -> dict:
 
 def launch(engine: str, mode: str, cases: list, tmp, nproc: int = 4, script: str = "engine_worker.py",
            timeout: int = 600) -> dict:
-    """One torchrun launch; returns case id -> {rank: report}."""
+    """One launch of ``nproc`` ranks (``rank_launch``: file-store rendezvous, no port to collide on);
+    returns case id -> {rank: report}.  A rank without a final report fails the fixture with what every
+    rank had reported case by case and the tails of the ranks' logs (with their stacks when the launch
+    stalled and was killed).  Nothing is retried: what a launch does is the result."""
     bindir = engine_python(engine)
     job, out = os.path.join(tmp, f"{engine}-{mode}.json"), os.path.join(tmp, f"{engine}-{mode}-out")
     with open(job, "w") as f:
         json.dump(cases, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TORCHELASTIC_ERROR_FILE": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PYTHONFAULTHANDLER": "1"}
     if engine == "vllm":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    # a launch where some rank wrote no final report (the rendezvous port taken between choosing it
-    # and binding it, a worker killed or a launch stalled under load: seen in CI with 22 tests erroring
-    # at setup) is launched once more on a fresh port; what the ranks report is never retried.  A
-    # stalled launch is killed whole (its process group: no orphaned ranks), and what each rank had
-    # reported case by case goes into the failure.
-    for attempt in (1, 2):
-        shutil.rmtree(out, ignore_errors=True)
-        cmd = [os.path.join(bindir, "torchrun"), "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-               os.path.join(ENGINES_DIR, script), engine, mode, job, out]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                             start_new_session=True)
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            stdout, stderr = p.communicate()
-            stderr += f"\n[launch stalled: killed after {timeout} s]"
-        missing = [r for r in range(nproc) if not _final(os.path.join(out, f"rank{r}.json"))]
-        if not missing:
-            break
+    ranks = run_ranks([os.path.join(bindir, "python"), os.path.join(ENGINES_DIR, script), engine, mode, job, out],
+                      nproc, env, os.path.join(tmp, f"{engine}-{mode}-ranks"), timeout)
+    missing = [r for r in range(nproc) if not _final(os.path.join(out, f"rank{r}.json"))]
+    if missing:
         partial = {r: _partial(os.path.join(out, f"rank{r}.json")) for r in missing}
-        failure = (f"{engine} {mode}: ranks {missing} wrote no final report (rc {p.returncode}, launch {attempt} "
-                   f"of 2); their reports so far: {partial}\n{stdout[-3000:]}\n{stderr[-6000:]}")
-        if attempt == 2:
-            raise AssertionError(failure)
-        print(failure, file=sys.stderr)
+        how = f"stalled: killed after {timeout} s" if ranks.stalled else f"exit codes {ranks.returncodes}"
+        logs = "\n".join(f"--- rank {r} log (tail) ---\n{ranks.tail(r, 3000)}" for r in range(nproc))
+        raise AssertionError(f"{engine} {mode}: ranks {missing} wrote no final report ({how}); their reports "
+                             f"so far: {partial}\n{logs}")
     reports = {}
     for r in range(nproc):
         path = os.path.join(out, f"rank{r}.json")
@@ -109,13 +92,6 @@ def launch(engine: str, mode: str, cases: list, tmp, nproc: int = 4, script: str
             for cid, rep in json.load(f).items():
                 reports.setdefault(cid, {})[r] = rep
     return reports
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def failures(reports: dict, cid: str, keys=("errors", "probe_errors")) -> list[str]:

@@ -117,7 +117,8 @@ def trainer(workdir: str, tp: int, model: str = "dsv3") -> None:
     from mcore_reshard.integrations.protocol import join_group, megatron_source
     from mcore_reshard.testing import megatron_cpu
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=_group(workdir, "trainer-world"), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))    # a file store: no port to collide on
     rank = dist.get_rank()
     m = MODELS[model]
     megatron_cpu.init_megatron(**m["parallel"])
@@ -562,18 +563,15 @@ def _tail(path: str, n: int = 4000) -> str:
 def launch(workdir: str, tp: int, engine_python: str, trainer_python: str = sys.executable, model: str = "dsv3") -> dict:
     """Trainer + engine (the refits), then the two reference engines; returns every JSON they wrote.
     Raises ``RuntimeError`` with the logs' tails when a process fails."""
-    import socket
     import subprocess
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = os.path.abspath(__file__)
     scale = MODELS[model].get("timeout_scale", 1)
     tlog, elog = os.path.join(workdir, "trainer.log"), os.path.join(workdir, "engine.log")
     with open(tlog, "w") as tout:
         trainer_proc = subprocess.Popen(
-            [trainer_python, "-m", "torch.distributed.run", "--nproc-per-node", str(TRAINERS), "--master-port",
-             str(port), script, "trainer", workdir, "--tp", str(tp), "--model", model], stdout=tout, stderr=subprocess.STDOUT, cwd=ROOT,
+            [trainer_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(TRAINERS),
+             script, "trainer", workdir, "--tp", str(tp), "--model", model],
+            stdout=tout, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": ""},
             start_new_session=True)        # its own process group: torchrun's workers go with it
         try:
