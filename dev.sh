@@ -70,9 +70,17 @@ ensure_kernel() {  # ensure_kernel VENV
   pip_logged "$venv" install -q --no-deps -e . || true
 }
 
+# The package's bytecode, as a regular (non-editable) install has it: with PYTHONDONTWRITEBYTECODE set
+# (as on these machines) every process would otherwise compile the package again on import.  Python
+# checks each .pyc against its source, so an edited module is compiled afresh, never read stale.
+ensure_bytecode() {  # ensure_bytecode VENV
+  "$1/bin/python" -m compileall -q mcore_reshard >/dev/null 2>&1 || true
+}
+
 setup() {
   if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm, ruff' 2>/dev/null; then
     ensure_kernel "$VENV"
+    ensure_bytecode "$VENV"
     return 0
   fi
   py=$(find_python)
@@ -83,6 +91,7 @@ setup() {
   pip_logged "$VENV" install -q torch==2.13.0 || true
   pip_logged "$VENV" install -q -e ".[megatron,test]" || true
   check_imports "$VENV" mcore_reshard, megatron.core, pytest, hypothesis, transformers, accelerate, tqdm, ruff
+  ensure_bytecode "$VENV"
   log_line "$VENV"
 }
 

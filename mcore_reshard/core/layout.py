@@ -343,17 +343,18 @@ class Layout:
     def _check_buffer(self, rank: int, buf: Buffer) -> None:
         if not isinstance(buf.shape, tuple) or (buf.shape and (set(map(type, buf.shape)) != _INT or min(buf.shape) < 0)):
             raise LayoutError(f"rank {rank} buffer {buf.name}: shape {buf.shape!r} must be a tuple of integers >= 0")
-        tensors, shapes = self.tensors, []
+        tensors, dtype, key = self.tensors, buf.dtype, [buf.shape]
         for p in buf.pieces:
             meta = tensors.get(p.tensor)
             if meta is None:
                 raise LayoutError(f"rank {rank} buffer {buf.name}: piece of undeclared tensor {p.tensor}")
-            if meta.dtype != buf.dtype:
+            if meta.dtype != dtype:
                 raise LayoutError(f"rank {rank} buffer {buf.name} is {buf.dtype} but holds {p.tensor} of dtype {meta.dtype}")
-            shapes.append((meta.shape, p.box, p.local))
+            box, local = p.box, p.local      # their fields, not the Boxes: tuples hash without a Python call
+            key += (meta.shape, box.offsets, box.sizes, local.offsets, local.sizes)
         # the rest depends on sizes and boxes only: every layer's copy of a buffer asks the same
         sound = self.__dict__.setdefault("_sound", set())
-        key = (buf.shape, tuple(shapes))
+        key = tuple(key)
         if key in sound:
             return
         _check_geometry(rank, buf, self.tensors)

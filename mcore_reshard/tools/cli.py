@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -368,6 +367,7 @@ def cmd_demo(args) -> int:
           f"{'equal' if stats['network_bytes'] == stats['lower_bound_bytes'] else 'ABOVE'})")
     print(f"bytes copied local {stats['local_bytes']:,}")
     print(f"messages           {stats['messages']} per refit in {stats['rounds']} round(s)")
+    import statistics
     print(f"refit time         median {statistics.median(times) * 1e3:.1f} ms over {args.reps} refits "
           f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
     print(f"staging per rank   max {max(r['staging_bytes'] for r in results):,} B")

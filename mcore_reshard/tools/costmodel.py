@@ -251,14 +251,27 @@ def paced(plan, topo: Hardware, pipelined: bool = True) -> float:
     return max(clock.values(), default=0.0)
 
 
+#: parts below which the loop beats importing numpy (~0.2 s CPU) and vectorising; the numbers are the same
+PYTHON_PARTS = 200_000
+
+
+def _numpy_pays(tr: PlanTraffic) -> bool:
+    """Vectorise ``tr``: numpy is already imported, or the plan has more parts than :data:`PYTHON_PARTS`."""
+    import sys
+    return "numpy" in sys.modules or sum(len(g.src) * len(g.copies) for g in tr.groups) > PYTHON_PARTS
+
+
 def predict(plan, topo: Hardware, *, traffic: PlanTraffic | None = None, with_paced: bool = True,
             vectorised: bool | None = None) -> dict:
     """Predicted refit time of ``plan`` executed as planned (direct point-to-point, round by round),
     from its traffic totals (:func:`~mcore_reshard.core.planner.plan_traffic`, or ``traffic`` when
     given: a templated plan's copies are never made); ``paced_s`` (``with_paced``): the same with
     each rank at its own pace (:func:`paced`, which walks the plan's messages and local copies).
-    ``vectorised``: as :func:`round_times` (False: no numpy; the same numbers)."""
+    ``vectorised``: as :func:`round_times` (False: no numpy; None: numpy where it pays,
+    :func:`_numpy_pays`; the same numbers either way)."""
     tr = plan_traffic(plan) if traffic is None else traffic
+    if vectorised is None and not _numpy_pays(tr):
+        vectorised = False
     parts = None if vectorised is False else parts_arrays(tr)
     times, posted = round_times(tr, topo, vectorised=vectorised, parts=parts)
     per_round = [t + topo.round_latency_s for t in times]
@@ -330,8 +343,10 @@ def round_times(tr: PlanTraffic, topo: Hardware, *, vectorised: bool | None = No
     """Per round with messages, in round order, :meth:`Traffic.time` of its messages (no round
     latency), and the messages each rank posts in all; from the per-(round, rank) totals of the
     parts (integers: exact in any order).  Vectorised with numpy (:func:`parts_arrays`; the same
-    floats, operation for operation) where it imports, unless ``vectorised=False``: a loop over the
-    parts."""
+    floats, operation for operation) where it pays (:func:`_numpy_pays`) or ``vectorised=True``;
+    else (or without numpy) a loop over the parts."""
+    if vectorised is None and parts is None and not _numpy_pays(tr):
+        vectorised = False
     if vectorised is not False and parts is None:
         parts = parts_arrays(tr)
     if vectorised is False or parts is None:
@@ -341,19 +356,49 @@ def round_times(tr: PlanTraffic, topo: Hardware, *, vectorised: bool | None = No
 
 @paused_gc()
 def _round_times_python(tr: PlanTraffic, topo: Hardware) -> tuple[list[float], dict]:
-    rounds: dict[int, Traffic] = defaultdict(Traffic)
+    """What :meth:`Traffic.add` of every part into its round's :class:`Traffic`, then
+    :meth:`Traffic.time`, give, in one loop over the parts: per round a row of per-rank integer
+    totals (the same sums), then per touched rank the same float expression."""
+    span, merged = tr.span, tr.merged
+    dom = [topo.domain(r) for r in range(span)]
+    rows: dict[int, list] = {}           # round -> [nic out, nic in, NVLink out, NVLink in, messages, packed, touched]
     seen: set = set()
-    for k, s, d, n, unstaged in tr.parts():
-        if tr.merged and (k, s, d) in seen:         # a further part of a message: its bytes only
-            rounds[k].add(topo, s, d, n, messages=0, staged=not unstaged)
-            continue
-        seen.add((k, s, d))
-        rounds[k].add(topo, s, d, n, staged=not unstaged)
+    for g in tr.groups:
+        cols = list(zip(g.src, g.dst, g.payload, g.unstaged))
+        for ranks, ks in g.copies:
+            for k, (si, di, n, unstaged) in zip(ks, cols):
+                s, d = ranks[si], ranks[di]
+                row = rows.get(k)
+                if row is None:
+                    row = rows[k] = [[0] * span for _ in range(6)] + [set()]
+                link = 2 if dom[s] == dom[d] else 0
+                row[link][s] += n
+                row[link + 1][d] += n
+                row[6].add(s)
+                row[6].add(d)
+                if not merged:
+                    row[4][s] += 1
+                elif (k, s, d) not in seen:         # the first part of a message counts it
+                    seen.add((k, s, d))
+                    row[4][s] += 1
+                if not unstaged:
+                    row[5][s] += n
+                    row[5][d] += n
+    nic, nvl = topo.nic_bw * topo.efficiency, topo.nvlink_bw * topo.efficiency
+    lat, hbm = topo.msg_latency_s, topo.hbm_bw
+    times: list[float] = []
     posted: dict[int, int] = defaultdict(int)
-    for t in rounds.values():
-        for r, c in t.msgs.items():
-            posted[r] += c
-    return [rounds[k].time(topo) for k in sorted(rounds)], dict(posted)
+    for k in sorted(rows):
+        no, ni, vo, vi, msgs, packed, touched = rows[k]
+        worst = 0.0
+        for r in touched:
+            t = max(max(no[r], ni[r]) / nic, max(vo[r], vi[r]) / nvl)
+            t += lat * msgs[r] + 2 * packed[r] / hbm
+            worst = max(worst, t)
+            if msgs[r]:
+                posted[r] += msgs[r]
+        times.append(worst)
+    return times, dict(posted)
 
 
 def _round_times_numpy(tr: PlanTraffic, topo: Hardware, parts: Parts) -> tuple[list[float], dict]:

@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -70,6 +69,7 @@ def log_path() -> str:
     """This run's log file (made by the first notice)."""
     path = os.environ.get(ENV)
     if not path:
+        import tempfile
         folder = os.path.join(tempfile.gettempdir(), f"mcore-reshard-{os.getuid() if hasattr(os, 'getuid') else 0}")
         path = os.path.join(folder, f"notices-{os.getpid()}.log")
     return path

@@ -31,12 +31,27 @@ needs any part of it (other than itself).  Bytes = gathered bytes + unit bytes x
 (Megatron-Bridge's export all-gathers every TP shard to every TP rank before the broadcast, so it
 moves more than this; NeMo RL's broadcast path sends every tensor to every inference worker.)
 """
-from .baselines import checkpoint_units, gather_broadcast, lower_bound
-from .configs import CONFIGS, FULL_SIZE_DEFAULT, PUBLISHED, FullSizeConfig, kimi_k2_1t, small_config
-from .fullsize import run_cli, run_full_size, run_full_size_config, traffic_matrix
-from .options import add_bench_parser, cmd_bench, main
-from .report import markdown_full_size, markdown_live, plot_full_size, plot_live
+import importlib
+
+#: public name -> the submodule defining it, imported on first use (``mcore-reshard plan`` registers the
+#: ``bench`` options without importing the drivers, their subprocess / tracemalloc / statistics imports)
+_WHERE = {**dict.fromkeys(("checkpoint_units", "gather_broadcast", "lower_bound"), "baselines"),
+          **dict.fromkeys(("CONFIGS", "FULL_SIZE_DEFAULT", "PUBLISHED", "FullSizeConfig", "kimi_k2_1t", "small_config"),
+                          "configs"),
+          **dict.fromkeys(("run_cli", "run_full_size", "run_full_size_config", "traffic_matrix"), "fullsize"),
+          **dict.fromkeys(("add_bench_parser", "cmd_bench", "main"), "options"),
+          **dict.fromkeys(("markdown_full_size", "markdown_live", "plot_full_size", "plot_live"), "report")}
 
 __all__ = ["CONFIGS", "FULL_SIZE_DEFAULT", "FullSizeConfig", "PUBLISHED", "add_bench_parser", "checkpoint_units",
            "cmd_bench", "gather_broadcast", "kimi_k2_1t", "lower_bound", "main", "markdown_full_size", "markdown_live",
            "plot_full_size", "plot_live", "run_cli", "run_full_size", "run_full_size_config", "small_config", "traffic_matrix"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 
 from .configs import CONFIGS, DEFAULT_OUT, FULL_SIZE_DEFAULT
-from .fullsize import run_cli_only, run_full_size, run_full_size_config, save_json
-from .report import markdown_cli, markdown_full_size, markdown_live, plot_full_size, plot_live
 
 # ----------------------------------------------------------------------------------- CLI
 
@@ -60,6 +58,8 @@ def _log(msg: str) -> None:
 
 
 def cmd_bench(args) -> int:
+    from .fullsize import run_cli_only, run_full_size, run_full_size_config, save_json
+    from .report import markdown_cli, markdown_full_size, markdown_live, plot_full_size, plot_live
     budget = int(args.budget_mib * (1 << 20))
     out_dir = Path(args.out_dir)
     if args.in_process:     # one full-size configuration, called by run_full_size
