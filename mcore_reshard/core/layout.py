@@ -279,14 +279,23 @@ class Layout:
         rank_bufs = self.buffers.setdefault(int(rank), {})
         if buffer.name in rank_bufs:
             raise LayoutError(f"rank {rank} has two buffers named {buffer.name}")
+        self._check_once(rank, buffer, self._checked_cache())
+        rank_bufs[buffer.name] = buffer
+
+    def _checked_cache(self) -> dict:
+        """id -> (the Buffer, or the tuple of :meth:`add_buffers`; the tensors it was checked against;
+        for a tuple, its buffers by name)."""
         checked = self.__dict__.get("_checked")
-        if checked is None:             # id -> (the buffer, the tensors it was checked against)
+        if checked is None:
             checked = self.__dict__["_checked"] = {}
+        return checked
+
+    def _check_once(self, rank: int, buffer: Buffer, checked: dict) -> None:
+        """:meth:`_check_buffer`, once per Buffer object and tensors (replicas share the object)."""
         got = checked.get(id(buffer))
         if got is None or got[0] is not buffer or got[1] is not self.tensors:
             self._check_buffer(rank, buffer)
             checked[id(buffer)] = (buffer, self.tensors)
-        rank_bufs[buffer.name] = buffer
 
     def add_buffers(self, rank: int, buffers: tuple[Buffer, ...]) -> None:
         """The ``buffers`` on ``rank``, in order: :meth:`add_buffer` for each, but the same tuple
@@ -302,10 +311,7 @@ class Layout:
     def add_parts(self, rank: int, parts: Iterable[tuple[Buffer, ...]]) -> None:
         """:meth:`add_buffers` of each tuple in ``parts``, in order (one call for a rank's parts)."""
         rank_bufs = self.buffers.setdefault(int(rank), {})
-        checked = self.__dict__.get("_checked")
-        if checked is None:
-            checked = self.__dict__["_checked"] = {}
-        tensors = self.tensors
+        checked, tensors = self._checked_cache(), self.tensors
         for buffers in parts:
             got = checked.get(id(buffers))
             if got is None or got[0] is not buffers or got[1] is not tensors:
@@ -324,10 +330,7 @@ class Layout:
         for b in buffers:
             if b.name in named:
                 raise LayoutError(f"rank {rank} has two buffers named {b.name}")
-            seen = checked.get(id(b))
-            if seen is None or seen[0] is not b or seen[1] is not self.tensors:
-                self._check_buffer(rank, b)
-                checked[id(b)] = (b, self.tensors)
+            self._check_once(rank, b, checked)
             named[b.name] = b
         return named
 

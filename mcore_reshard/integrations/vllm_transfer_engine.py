@@ -34,7 +34,7 @@ from .vllm_postload import PostLoad
 from .vllm_refit import EngineRefit, guard_of, join_engine
 from .vllm_refit_modes import check_mode
 from .vllm_transfer import REPORTS_KEPT, plan_kwargs
-from .vllm_worker import MTP_PREFIX, vllm_coords, vllm_names, vllm_spec
+from .vllm_worker import MTP_PREFIX, vllm_coords, vllm_names, vllm_spec, worker_index
 
 
 class _WorkerView:
@@ -164,9 +164,9 @@ class McoreReshardWeightTransferEngine(WeightTransferEngine):
     # -------------------------------------------------------------- vLLM API
     def init_transfer_engine(self, init_info) -> None:
         c = vllm_coords(self._view())
-        local = (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
+        local, workers = worker_index(c)
         rank = engine_rank(init_info.rank_offset, local, init_info.world_size, f"worker ({c})")
-        pair = worker_colocated(getattr(init_info, "colocated", None), local, c["dp"] * c["pp"] * c["tp"])
+        pair = worker_colocated(getattr(init_info, "colocated", None), local, workers)
         check_join_args(init_info.init_method, init_info.world_size, rank, init_info.timeout_s,
                         init_info.group_backend)
         check_mode(init_info.refit_mode)

@@ -97,9 +97,8 @@ class McoreReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         check_mode(init_info.refit_mode)
         pair = check_colocated(init_info.colocated, "colocated")
         workers = init_info.engine_colocated      # each worker reads its own entry; all are checked here first
-        n = len(workers) if isinstance(workers, (list, tuple)) else 1
-        for j in range(n if workers is not None else 0):
-            worker_colocated(workers, j, n, "engine_colocated")
+        if workers is not None:                   # (worker_colocated checks every entry, whichever it returns)
+            worker_colocated(workers, 0, len(workers) if isinstance(workers, (list, tuple)) else 1, "engine_colocated")
         self = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
         self.info = init_info
         self.resharders: dict[str, Any] = {}

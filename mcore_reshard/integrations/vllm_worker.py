@@ -78,6 +78,12 @@ def vllm_coords(worker) -> dict:
     return {"tp": tp, "pp": pp, "dp": dp, "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank}
 
 
+def worker_index(c: dict) -> tuple[int, int]:
+    """(this worker's index among the deployment's workers, how many there are) from its
+    :func:`vllm_coords`: ``(dp_rank * pp + pp_rank) * tp + tp_rank`` of ``dp * pp * tp``."""
+    return (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"], c["dp"] * c["pp"] * c["tp"]
+
+
 def vllm_spec(worker, rank_offset: int, *, names: str = "auto", mtp: bool = False, layout: Mapping | None = None) -> dict:
     """The :func:`~mcore_reshard.integrations.protocol.layout_spec` of the whole vLLM deployment this
     worker belongs to, from its engine config (``layout`` overrides ``vllm_layout`` kwargs)."""
@@ -203,10 +209,10 @@ class McoreReshardWorkerExtension:
         after a trainer died) leaves the old group; prepare again after it.  ``colocated``: one entry
         per worker, :func:`_join_pair` (``McoreReshardInitInfo.colocated``)."""
         c = vllm_coords(self)
-        local = (c["dp_rank"] * c["pp"] + c["pp_rank"]) * c["tp"] + c["tp_rank"]
+        local, workers = worker_index(c)
         rank = engine_rank(rank_offset, local, world_size, f"worker ({c})")
         check_join_args(init_method, world_size, rank, timeout_s, backend)
-        pair = worker_colocated(colocated, local, c["dp"] * c["pp"] * c["tp"])   # refused before any rendezvous
+        pair = worker_colocated(colocated, local, workers)   # refused before any rendezvous
         st = self._mr()
         if st.get("refit") is not None and st["refit"].in_flight:
             raise ReshardError("mcore_reshard_join while a shadow transfer is in flight: mcore_reshard_refit_finish first")
@@ -326,4 +332,4 @@ class McoreReshardWorkerExtension:
         return {"left": True}
 
 
-__all__ = ["MTP_PREFIX", "McoreReshardWorkerExtension", "vllm_coords", "vllm_names", "vllm_spec"]
+__all__ = ["MTP_PREFIX", "McoreReshardWorkerExtension", "vllm_coords", "vllm_names", "vllm_spec", "worker_index"]
